@@ -9,7 +9,7 @@ version=$1; venv=$2; shift 2
 py=${PYTHON:-python3}
 torch_spec=${EAGLE3LAB_TORCH:-torch==2.13.0}
 if [ ! -x "$venv/bin/python" ]; then "$py" -m venv "$venv"; fi
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
 "${pip[@]}" --upgrade pip >/dev/null
 "${pip[@]}" "$torch_spec"
 "${pip[@]}" --no-deps "vllm==$version"

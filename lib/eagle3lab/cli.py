@@ -1,0 +1,129 @@
+"""Command line: ``eagle3lab run | validate | diagnose | lint-drafter | patch --check``.
+
+Exit codes: 0 success; 1 the work failed (a notebook, lint errors, a check); 2 bad input (parameters,
+arguments), reported in one line that names the file, the field and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from eagle3lab.params import ParamsError
+
+
+def _only(text: str | None) -> list[str] | None:
+    return [s.strip() for s in text.split(",") if s.strip()] if text else None
+
+
+def _add_params_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", metavar="FILE", help="parameter profile (default: params/embedded.yaml)")
+    p.add_argument("-p", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one parameter, e.g. -p train.epochs=2 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``eagle3lab`` command."""
+    ap = argparse.ArgumentParser(prog="eagle3lab", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="execute the workbook's notebooks into outputs/<run>/")
+    _add_params_args(r)
+    r.add_argument("--only", metavar="01,02", help="comma-separated notebooks (numbers or names)")
+    r.add_argument("--outputs", metavar="DIR", help="parent folder of run folders (default: outputs/)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    v = sub.add_parser("validate", help="validate a parameter file and print the resolved parameters")
+    v.add_argument("file")
+    v.add_argument("-p", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    d = sub.add_parser("diagnose", help="why is EAGLE-3 refused for a target on the installed vLLM?")
+    d.add_argument("target", help="architecture name, config.json, or a model folder")
+    d.add_argument("--drafter-config", help="a drafter config.json (for its aux layer ids)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+
+    lint = sub.add_parser("lint-drafter", help="lint an EAGLE-3 drafter config against its target")
+    lint.add_argument("drafter_config")
+    lint.add_argument("--target", required=True, help="the target's config.json or folder")
+    lint.add_argument("--json", action="store_true")
+
+    pt = sub.add_parser("patch", help="apply the in-process patch in a fresh process and show the interface matrix")
+    pt.add_argument("--check", metavar="ARCH", required=True, help="architecture to check, e.g. KimiK25ForConditionalGeneration")
+    _add_params_args(pt)
+    pt.add_argument("--json", action="store_true")
+    return ap
+
+
+def _cmd_run(a: argparse.Namespace) -> int:
+    from eagle3lab import runner
+
+    result = runner.run(a.params, _only(a.only), a.overrides, a.outputs, progress=not a.no_progress)
+    for s in result.steps:
+        extra = f"  {s.error}" if s.error else ""
+        print(f"{s.name:<20} {s.status:<8} {s.seconds:7.1f} s{extra}")
+    print(f"report: {result.run_dir / 'index.html'}")
+    return 0 if result.ok else 1
+
+
+def _cmd_validate(a: argparse.Namespace) -> int:
+    import yaml
+
+    from eagle3lab import params
+
+    p = params.load(a.file, a.overrides)
+    print(yaml.safe_dump(params.to_jsonable(p), sort_keys=False), end="")
+    print(f"# {a.file}: valid")
+    return 0
+
+
+def _cmd_diagnose(a: argparse.Namespace) -> int:
+    from eagle3lab import diagnose
+
+    d = diagnose.diagnose(a.target, drafter_config=a.drafter_config)
+    print(json.dumps(d.to_dict(), indent=2) if a.json else diagnose.format_diagnosis(d))
+    return 0
+
+
+def _cmd_lint(a: argparse.Namespace) -> int:
+    from eagle3lab import lint
+
+    r = lint.lint_drafter(a.drafter_config, a.target)
+    print(json.dumps(r.to_dict(), indent=2) if a.json else lint.format_lint(r))
+    return 1 if r.has_errors else 0
+
+
+def _cmd_patch(a: argparse.Namespace) -> int:
+    from eagle3lab import params, patch
+
+    p = params.load(a.params or params_default(), a.overrides)
+    d = patch.check(a.check, apply=p.patch.apply, force=p.patch.force, legacy_simulation=p.patch.legacy_simulation)
+    print(json.dumps(d, indent=2) if a.json else patch.format_check(d))
+    return 0 if d.get("ok", True) else 1
+
+
+def params_default() -> str:
+    """The default profile's path."""
+    from eagle3lab.workbook import repo_root
+
+    return str(repo_root() / "params" / "embedded.yaml")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``eagle3lab`` console script and ``python -m eagle3lab``."""
+    a = build_parser().parse_args(argv)
+    handlers = {"run": _cmd_run, "validate": _cmd_validate, "diagnose": _cmd_diagnose,
+                "lint-drafter": _cmd_lint, "patch": _cmd_patch}
+    try:
+        return handlers[a.command](a)
+    except ParamsError as exc:
+        print(f"eagle3lab: error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"eagle3lab: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

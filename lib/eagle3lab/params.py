@@ -1,0 +1,336 @@
+"""Run parameters: YAML profiles validated by pydantic before any work starts.
+
+A profile is one YAML file under ``params/``; command-line overrides (``-p key=value``) are merged in
+before validation, so a bad override fails exactly like a bad file: one message naming the file, the
+field and the reason (:class:`ParamsError`), and no output folder is made.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ParamsError(ValueError):
+    """A parameter file or override that cannot be used; ``str()`` is the one-line user message."""
+
+    def __init__(self, source: str, field: str, reason: str) -> None:
+        self.source, self.field, self.reason = source, field, reason
+        where = f"{source}: {field}" if field else source
+        super().__init__(f"{where}: {reason}")
+
+
+class _Strict(BaseModel):
+    # Unknown keys are typos until proven otherwise: refuse them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EmbeddedTarget(_Strict):
+    """Shape and training budget of the small DeepSeek-V3-architecture target built by 00_target."""
+
+    vocab_size: int = Field(2048, ge=260)
+    hidden_size: int = Field(256, ge=16)
+    num_hidden_layers: int = Field(6, ge=2)
+    num_attention_heads: int = Field(4, ge=1)
+    q_lora_rank: int | None = Field(128, ge=1)
+    kv_lora_rank: int = Field(64, ge=1)
+    qk_rope_head_dim: int = Field(16, ge=2)
+    qk_nope_head_dim: int = Field(32, ge=1)
+    v_head_dim: int = Field(32, ge=1)
+    intermediate_size: int = Field(512, ge=1)
+    moe_intermediate_size: int = Field(128, ge=1)
+    n_routed_experts: int = Field(8, ge=1)
+    num_experts_per_tok: int = Field(2, ge=1)
+    n_shared_experts: int = Field(1, ge=0)
+    first_k_dense_replace: int = Field(1, ge=0)
+    max_position_embeddings: int = Field(2048, ge=64)
+    corpus: Literal["python-stdlib"] = "python-stdlib"
+    corpus_max_bytes: int = Field(3_000_000, ge=10_000)
+    heldout_fraction: float = Field(0.05, gt=0, lt=0.5)
+    seq_len: int = Field(256, ge=16)
+    batch_size: int = Field(16, ge=1)
+    train_steps: int = Field(400, ge=1)
+    learning_rate: float = Field(3e-3, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EmbeddedTarget:
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})"
+            )
+        if self.first_k_dense_replace >= self.num_hidden_layers:
+            raise ValueError("first_k_dense_replace must leave at least one MoE layer")
+        if self.seq_len > self.max_position_embeddings:
+            raise ValueError("seq_len exceeds max_position_embeddings")
+        return self
+
+
+class TargetParams(_Strict):
+    """Which target model the workbook studies."""
+
+    source: Literal["embedded", "checkpoint"] = "embedded"
+    # A local checkpoint folder (config.json, tokenizer, weights); required when source is checkpoint.
+    path: Path | None = None
+    # trust_remote_code is never switched on implicitly: a profile must say so.
+    trust_remote_code: bool = False
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    embedded: EmbeddedTarget = Field(default_factory=EmbeddedTarget)
+
+
+class DiagnoseParams(_Strict):
+    """Architectures 01_diagnose inspects besides the target's own."""
+
+    architectures: list[str] = Field(default_factory=lambda: ["KimiK25ForConditionalGeneration"])
+    registry_table: bool = True
+
+
+class PatchParams(_Strict):
+    """What 02_patch (and the vLLM plugin in every vLLM process) applies."""
+
+    apply: bool = True
+    # Install our forward even where vLLM supports EAGLE-3 natively (to compare ours with vLLM's own).
+    force: bool = False
+    # vLLM >= 0.18 only: revert native EAGLE-3 support in-process to reproduce the 0.15-0.17 refusal.
+    legacy_simulation: bool = False
+
+
+class EngineParams(_Strict):
+    """The engine that generates data and runs speculative decoding."""
+
+    kind: Literal["reference", "vllm"] = "reference"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    max_model_len: int = Field(2048, ge=64)
+    enforce_eager: bool = False
+
+
+class DataParams(_Strict):
+    """Synthetic data: prompts, regenerated responses, hidden-state extraction."""
+
+    # JSONL with one {"prompt": ...} per line; None means prompts cut from the embedded corpus.
+    prompts_file: Path | None = None
+    num_prompts: int = Field(256, ge=1)
+    heldout_prompts: int = Field(32, ge=1)
+    prompt_tokens: int = Field(32, ge=1)
+    max_new_tokens: int = Field(96, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    batch_size: int = Field(16, ge=1)
+    shard_sequences: int = Field(64, ge=1)
+    hidden_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class DrafterParams(_Strict):
+    """Shape of the EAGLE-3 drafter."""
+
+    # vLLM's convention (input of layer k; id == num_layers is the final pre-norm state).
+    # None means vLLM's default rule (2, L//2, L-3).
+    aux_layer_ids: list[int] | None = None
+    hidden_size: int | None = Field(None, ge=16)  # None: the target's width (then embeddings are shared)
+    intermediate_size: int | None = Field(None, ge=16)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(4, ge=1)
+    draft_vocab_size: int = Field(1024, ge=2)
+
+
+class TrainParams(_Strict):
+    """EAGLE-3 drafter training with training-time test."""
+
+    epochs: int = Field(4, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    batch_size: int = Field(8, ge=1)
+    learning_rate: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    ttt_steps: int = Field(3, ge=1)
+    ttt_decay: float = Field(0.8, gt=0, le=1)
+    checkpoint_every: int = Field(100, ge=1)
+    max_seq_len: int = Field(512, ge=8)
+
+
+class AcceptanceParams(_Strict):
+    """Acceptance measurement on held-out prompts."""
+
+    num_speculative_tokens: int = Field(3, ge=1)
+    num_prompts: int = Field(32, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    # Extra aux-layer choices to train and compare (each a list of vLLM ids); empty: none.
+    layer_sweep: list[list[int]] = Field(default_factory=list)
+
+
+class Params(_Strict):
+    """One validated profile."""
+
+    profile: str
+    description: str = ""
+    seed: int = 0
+    notebooks: list[str] | None = None  # default selection for `eagle3lab run`; None = all
+    target: TargetParams = Field(default_factory=TargetParams)
+    diagnose: DiagnoseParams = Field(default_factory=DiagnoseParams)
+    patch: PatchParams = Field(default_factory=PatchParams)
+    engine: EngineParams = Field(default_factory=EngineParams)
+    data: DataParams = Field(default_factory=DataParams)
+    drafter: DrafterParams = Field(default_factory=DrafterParams)
+    train: TrainParams = Field(default_factory=TrainParams)
+    acceptance: AcceptanceParams = Field(default_factory=AcceptanceParams)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Params:
+        t = self.target
+        if t.source == "checkpoint":
+            if t.path is None:
+                raise _FieldError("target.path", "required when target.source is 'checkpoint'")
+            if not Path(t.path).is_dir():
+                raise _FieldError("target.path", f"checkpoint folder does not exist: {t.path}")
+            if not (Path(t.path) / "config.json").is_file():
+                raise _FieldError("target.path", f"no config.json in {t.path}")
+        if self.engine.tensor_parallel_size > 1 and self.engine.kind != "vllm":
+            raise _FieldError("engine.tensor_parallel_size", "tensor parallelism needs engine.kind 'vllm'")
+        if self.data.prompts_file is not None and not Path(self.data.prompts_file).is_file():
+            raise _FieldError("data.prompts_file", f"file does not exist: {self.data.prompts_file}")
+        if t.source == "checkpoint" and self.data.prompts_file is None:
+            raise _FieldError("data.prompts_file", "a checkpoint target needs a prompts file (JSONL)")
+        num_layers = self.target_num_layers()
+        for field, ids in [("drafter.aux_layer_ids", self.drafter.aux_layer_ids)] + [
+            (f"acceptance.layer_sweep[{i}]", s) for i, s in enumerate(self.acceptance.layer_sweep)
+        ]:
+            if ids is not None:
+                _check_aux_ids(field, ids, num_layers)
+        if self.drafter.aux_layer_ids is None and num_layers is not None:
+            default = [2, num_layers // 2, num_layers - 3]
+            if len(set(default)) < 3 or min(default) < 1:
+                raise _FieldError(
+                    "drafter.aux_layer_ids",
+                    f"vLLM's default {tuple(default)} for a {num_layers}-layer target collapses or falls out of "
+                    "range (the drafter's fc would fail with a shape error): set the ids explicitly",
+                )
+        if t.source == "embedded" and self.drafter.draft_vocab_size > t.embedded.vocab_size:
+            raise _FieldError("drafter.draft_vocab_size", "larger than the target's vocabulary")
+        return self
+
+    def target_num_layers(self) -> int | None:
+        """Number of decoder layers of the target, or None if it cannot be read without loading it."""
+        if self.target.source == "embedded":
+            return self.target.embedded.num_hidden_layers
+        return _num_layers_from_config(Path(self.target.path) / "config.json") if self.target.path else None
+
+    def resolved_aux_layer_ids(self) -> list[int]:
+        """The drafter's aux ids: explicit, or vLLM's default rule (2, L//2, L-3)."""
+        if self.drafter.aux_layer_ids is not None:
+            return list(self.drafter.aux_layer_ids)
+        n = self.target_num_layers()
+        if n is None:
+            raise ParamsError("params", "drafter.aux_layer_ids", "cannot derive defaults: unknown layer count")
+        return [2, n // 2, n - 3]
+
+
+class _FieldError(ValueError):
+    def __init__(self, field: str, reason: str) -> None:
+        self.field, self.reason = field, reason
+        super().__init__(f"{field}: {reason}")
+
+
+def _check_aux_ids(field: str, ids: list[int], num_layers: int | None) -> None:
+    if not ids:
+        raise _FieldError(field, "empty list")
+    if len(set(ids)) != len(ids):
+        raise _FieldError(field, f"duplicate layer ids {ids}")
+    if any(i <= 0 for i in ids):
+        raise _FieldError(field, f"{ids}: id 0 (or negative) has no residual stream in vLLM; ids start at 1")
+    if num_layers is not None and any(i > num_layers for i in ids):
+        raise _FieldError(field, f"{ids}: out of range for a target with {num_layers} layers (max id {num_layers})")
+
+
+def _num_layers_from_config(path: Path) -> int | None:
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    for c in (cfg, cfg.get("text_config") or {}, cfg.get("language_config") or {}):
+        if isinstance(c, dict) and "num_hidden_layers" in c:
+            return int(c["num_hidden_layers"])
+    return None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``a.b.c=value`` into a key path and a YAML-typed value (``3``, ``true``, ``[2, 4]``)."""
+    if "=" not in text:
+        raise ParamsError("-p", text, "override must look like key=value (for example train.epochs=2)")
+    key, raw = text.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ParamsError("-p", text, "empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ParamsError("-p", key, f"value is not valid YAML: {exc}") from exc
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``key=value`` override set (nested keys with dots)."""
+    out = json.loads(json.dumps(data, default=str))
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ParamsError("-p", ".".join(parts), f"'{p}' is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def validate(data: dict[str, Any], source: str) -> Params:
+    """Validate a raw mapping; raise :class:`ParamsError` naming ``source``, the field and the reason."""
+    try:
+        return Params.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        ctx_err = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, _FieldError):
+            raise ParamsError(source, ctx_err.field, ctx_err.reason) from None
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        reason = err["msg"]
+        if err["type"] == "extra_forbidden":
+            reason = "unknown key (check the spelling against params/embedded.yaml)"
+        elif err["type"] == "missing":
+            reason = "required field is missing"
+        more = len(exc.errors()) - 1
+        if more:
+            reason += f" (and {more} more problem{'s' if more > 1 else ''})"
+        raise ParamsError(source, field, reason) from None
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> Params:
+    """Read a YAML profile, apply overrides and validate it."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ParamsError(source, "", f"cannot read parameter file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ParamsError(source, "", f"not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ParamsError(source, "", "top level must be a mapping of sections")
+    data.setdefault("profile", path.stem)
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source = f"{source} (with overrides)"
+    return validate(data, source)
+
+
+def to_jsonable(params: Params) -> dict[str, Any]:
+    """A plain-JSON dict of the params (paths as strings): what papermill injects into notebooks."""
+    return json.loads(params.model_dump_json())

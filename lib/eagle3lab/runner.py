@@ -1,0 +1,252 @@
+"""The batch runner: execute the workbook's notebooks in order with papermill, one immutable run folder.
+
+``outputs/<timestamp>-<profile>/`` receives each executed notebook and its HTML export, the resolved
+``params.yaml``, ``metrics.json`` (what the notebooks recorded through ``Workbook.record``),
+``run.log`` and ``index.html``. A failing notebook still gets its executed copy and HTML (the failing
+cell visible); later notebooks are skipped and the run reports failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eagle3lab import params as params_mod
+from eagle3lab import report
+from eagle3lab.workbook import read_metrics, repo_root
+
+log = logging.getLogger("eagle3lab.runner")
+
+# Figures shown on the index page when a notebook recorded them.
+HEADLINE_KEYS = (
+    "target.params",
+    "target.heldout_ppl",
+    "diagnose.vllm_version",
+    "diagnose.verdict",
+    "patch.legacy_simulation",
+    "patch.before.KimiK25ForConditionalGeneration.supports_eagle3",
+    "patch.after.KimiK25ForConditionalGeneration.supports_eagle3",
+    "data.num_samples",
+    "hidden.aux_layer_ids",
+    "hidden.tokens_per_s",
+    "hidden.bytes_per_token",
+    "train.final_loss",
+    "acceptance.k",
+    "acceptance.mean_acceptance_length",
+    "acceptance.per_position_rate",
+    "acceptance.outputs_match_greedy",
+)
+
+
+@dataclass
+class StepResult:
+    """What happened to one notebook in a run."""
+
+    name: str
+    status: str = "pending"  # ok | failed | skipped
+    seconds: float = 0.0
+    error: str = ""
+    ipynb: str = ""
+    html: str = ""
+
+
+@dataclass
+class RunResult:
+    """The outcome of ``run``: the folder and the status of every step."""
+
+    run_dir: Path
+    steps: list[StepResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(s.status == "ok" for s in self.steps)
+
+
+def discover_notebooks(root: Path) -> list[Path]:
+    """The workbook's notebooks (``notebooks/NN_name.ipynb``) in order."""
+    return sorted(p for p in (root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def select_notebooks(available: list[Path], only: list[str] | None) -> list[Path]:
+    """Pick notebooks by number or stem (``01``, ``01_diagnose``); unknown names are an error."""
+    if not only:
+        return available
+    chosen = []
+    for name in only:
+        match = [p for p in available if p.stem == name or p.stem.split("_", 1)[0] == name]
+        if not match:
+            names = ", ".join(p.stem for p in available)
+            raise params_mod.ParamsError("--only", name, f"no such notebook (have: {names})")
+        chosen.extend(m for m in match if m not in chosen)
+    return sorted(chosen)
+
+
+def new_run_dir(outputs: Path, profile: str) -> Path:
+    """A fresh folder ``<timestamp>-<profile>``; never reuses an existing one."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    outputs.mkdir(parents=True, exist_ok=True)
+    for n in range(1000):
+        d = outputs / (f"{stamp}-{profile}" + (f"-{n + 1}" if n else ""))
+        try:
+            d.mkdir()
+            return d
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot make a new run folder under {outputs}")
+
+
+def _kernel_env(tmp: Path) -> str:
+    """Register a kernel spec for *this* interpreter, so notebooks run in the current environment."""
+    name = "eagle3lab-current"
+    kdir = tmp / "kernels" / name
+    kdir.mkdir(parents=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": f"eagle3lab ({sys.executable})",
+        "language": "python",
+    }
+    (kdir / "kernel.json").write_text(json.dumps(spec))
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(tmp), os.environ.get("JUPYTER_PATH")]))
+    return name
+
+
+def _short_error(exc: BaseException) -> str:
+    ename = getattr(exc, "ename", type(exc).__name__)
+    evalue = getattr(exc, "evalue", str(exc))
+    cell = getattr(exc, "exec_count", None)
+    where = f" (cell [{cell}])" if cell else ""
+    return f"{ename}: {evalue}{where}".strip()
+
+
+def _headline(metrics: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for m in metrics.values():
+        merged.update(m)
+    return {k: merged[k] for k in HEADLINE_KEYS if k in merged}
+
+
+def _write_summary(result: RunResult, p: params_mod.Params, info: dict[str, Any]) -> None:
+    metrics = read_metrics(result.run_dir)
+    summary = {
+        "run": info,
+        "ok": result.ok,
+        "steps": [asdict(s) for s in result.steps],
+        "metrics": metrics,
+    }
+    (result.run_dir / "metrics.json").write_text(json.dumps(summary, indent=2, sort_keys=False))
+    title = f"eagle3lab run {result.run_dir.name}"
+    page = report.index_html(title, [asdict(s) for s in result.steps], _headline(metrics), info)
+    (result.run_dir / "index.html").write_text(page, encoding="utf-8")
+
+
+def run(
+    params_file: str | Path | None = None,
+    only: list[str] | None = None,
+    overrides: list[str] | None = None,
+    outputs: str | Path | None = None,
+    progress: bool = True,
+) -> RunResult:
+    """Validate the params, then execute the selected notebooks into a new run folder.
+
+    Raises :class:`eagle3lab.params.ParamsError` before anything is written when the params or the
+    selection are bad.
+    """
+    import papermill as pm
+    from tqdm.auto import tqdm
+
+    root = repo_root()
+    pfile = Path(params_file) if params_file else root / "params" / "embedded.yaml"
+    p = params_mod.load(pfile, overrides)
+    steps = select_notebooks(discover_notebooks(root), only or p.notebooks)
+    if not steps:
+        raise params_mod.ParamsError(str(pfile), "notebooks", f"no notebooks found under {root / 'notebooks'}")
+
+    run_dir = new_run_dir(Path(outputs) if outputs else root / "outputs", p.profile)
+    injected = params_mod.to_jsonable(p)
+    (run_dir / "params.yaml").write_text(yaml.safe_dump(injected, sort_keys=False))
+    info = {
+        "run": run_dir.name,
+        "profile": p.profile,
+        "params_file": str(pfile),
+        "overrides": list(overrides or []),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": sys.executable,
+    }
+    result = RunResult(run_dir, [StepResult(nb.stem) for nb in steps])
+
+    handler = logging.FileHandler(run_dir / "run.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    watched = [logging.getLogger(n) for n in ("eagle3lab", "papermill")]
+    for lg in watched:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    log.info("run %s: profile %s, notebooks %s", run_dir, p.profile, [s.name for s in result.steps])
+    old_env = dict(os.environ)
+    try:
+        with tempfile.TemporaryDirectory(prefix="eagle3lab-kernel-") as tmp:
+            kernel = _kernel_env(Path(tmp))
+            os.environ["EAGLE3LAB_ROOT"] = str(root)
+            failed = False
+            bar = tqdm(list(zip(steps, result.steps)), desc="workbook", unit="notebook", disable=not progress)
+            for nb, step in bar:
+                if failed:
+                    step.status = "skipped"
+                    log.info("%s: skipped (an earlier step failed)", step.name)
+                    continue
+                bar.set_postfix_str(step.name)
+                out_nb = run_dir / f"{step.name}.ipynb"
+                step.ipynb = out_nb.name
+                t0 = time.time()
+                log.info("%s: start", step.name)
+                try:
+                    pm.execute_notebook(
+                        str(nb),
+                        str(out_nb),
+                        parameters={"params": injected, "run_dir": str(run_dir)},
+                        kernel_name=kernel,
+                        cwd=str(root),
+                        log_output=True,
+                        progress_bar=progress,
+                    )
+                    step.status = "ok"
+                except BaseException as exc:  # noqa: BLE001 - any failure ends the run, reported
+                    step.status = "failed"
+                    step.error = "interrupted" if isinstance(exc, KeyboardInterrupt) else _short_error(exc)
+                    failed = True
+                    log.error("%s: failed: %s", step.name, step.error)
+                    if isinstance(exc, KeyboardInterrupt):
+                        raise
+                finally:
+                    step.seconds = time.time() - t0
+                    if out_nb.exists():
+                        try:
+                            report.export_html(out_nb, run_dir / f"{step.name}.html")
+                            step.html = f"{step.name}.html"
+                        except Exception as exc:  # noqa: BLE001 - a report problem must not hide the result
+                            log.error("%s: HTML export failed: %s", step.name, exc)
+                    _write_summary(result, p, info)
+                log.info("%s: %s in %.1f s", step.name, step.status, step.seconds)
+    finally:
+        for s in result.steps:
+            if s.status == "pending":
+                s.status = "skipped"
+        info["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        _write_summary(result, p, info)
+        os.environ.clear()
+        os.environ.update(old_env)
+        for lg in watched:
+            lg.removeHandler(handler)
+        handler.close()
+    return result

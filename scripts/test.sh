@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The test suite, as CI runs it: set up .venv (vLLM 0.26.0) and .venvs/vllm-0.17.0 (the legacy vLLM that
+# refuses EAGLE-3 for DeepSeek/Kimi), then lint and test. The vLLM-facing tests (tests/vllm) run in both.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+bash scripts/vllm_venv.sh 0.17.0 .venvs/vllm-0.17.0
+.venvs/vllm-0.17.0/bin/python -m pip install -q --disable-pip-version-check --no-compile --no-deps -e .
+.venvs/vllm-0.17.0/bin/python -m pip install -q --disable-pip-version-check --no-compile pytest
+.venv/bin/ruff check lib tests notebooks
+echo "== tests on vLLM 0.17.0 (legacy) =="
+.venvs/vllm-0.17.0/bin/python -m pytest -q -p no:cacheprovider tests/vllm "$@"
+echo "== all tests on vLLM 0.26.0 =="
+.venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"

@@ -1,0 +1,106 @@
+"""The papermill runner on a tiny fake workbook: success, failure, bad input, offline HTML."""
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from eagle3lab import cli, params, report, runner
+
+
+def _nb(path: Path, body: str) -> None:
+    nb = new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    p = new_code_cell("params = None\nrun_dir = None")
+    p.metadata["tags"] = ["parameters"]
+    nb.cells = [
+        new_markdown_cell(f"# {path.stem}"),
+        p,
+        new_code_cell(f"from eagle3lab.workbook import open_workbook\nwb = open_workbook({path.stem!r}, params, run_dir)"),
+        new_code_cell(body),
+    ]
+    nbformat.write(nb, str(path))
+
+
+@pytest.fixture
+def workbook(tmp_path, monkeypatch):
+    root = tmp_path / "wb"
+    (root / "notebooks").mkdir(parents=True)
+    (root / "params").mkdir()
+    (root / "params" / "embedded.yaml").write_text(yaml.safe_dump({"profile": "tiny", "drafter": {"aux_layer_ids": [1, 3, 5]}}))
+    monkeypatch.setenv("EAGLE3LAB_ROOT", str(root))
+    return root
+
+
+FIG = (
+    "import plotly.graph_objects as go\n"
+    "from eagle3lab.report import show\n"
+    "show(go.Figure(go.Bar(x=['p1','p2'], y=[0.8123456, 0.55])))\n"
+    "wb.record('acceptance.mean_acceptance_length', 2.5)\n"
+    "wb.record('tiny.seed', wb.params.seed)\n"
+)
+
+
+def test_run_writes_record_and_offline_html(workbook):
+    _nb(workbook / "notebooks" / "01_first.ipynb", FIG)
+    _nb(workbook / "notebooks" / "02_second.ipynb", "wb.record('second.sum', 1 + 2)")
+    res = runner.run(overrides=["seed=7"], progress=False)
+    assert res.ok, res.steps
+    d = res.run_dir
+    assert d.parent == workbook / "outputs" and d.name.endswith("-tiny")
+    for name in ("01_first", "02_second"):
+        assert (d / f"{name}.ipynb").is_file() and (d / f"{name}.html").is_file()
+    m = json.loads((d / "metrics.json").read_text())
+    assert m["metrics"]["01_first"]["tiny.seed"] == 7  # the override reached the notebook
+    assert m["metrics"]["02_second"]["second.sum"] == 3
+    assert [s["status"] for s in m["steps"]] == ["ok", "ok"]
+    html = (d / "01_first.html").read_text()
+    assert report.external_scripts(html) == []
+    assert "0.8123456" in html  # the figure's data is embedded in the page
+    assert "Plotly.newPlot" in html and len(html) > 1_000_000  # plotly.js itself is inline
+    index = (d / "index.html").read_text()
+    assert "01_first.html" in index and "2.5" in index
+    assert yaml.safe_load((d / "params.yaml").read_text())["seed"] == 7
+    assert (d / "run.log").read_text().count("ok in") == 2
+    # a second run never overwrites the first
+    res2 = runner.run(only=["02"], progress=False)
+    assert res2.run_dir != d and [s.name for s in res2.steps] == ["02_second"]
+
+
+def test_failing_notebook_is_reported_and_later_steps_skipped(workbook, capsys):
+    _nb(workbook / "notebooks" / "01_ok.ipynb", "wb.record('ok.value', 1)")
+    _nb(workbook / "notebooks" / "02_bad.ipynb", "raise RuntimeError('the drafter exploded')")
+    _nb(workbook / "notebooks" / "03_later.ipynb", "wb.record('later.value', 1)")
+    code = cli.main(["run", "--no-progress"])
+    assert code == 1
+    out = capsys.readouterr().out
+    run_dir = Path(out.strip().splitlines()[-1].split("report: ")[1]).parent
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert [s["status"] for s in m["steps"]] == ["ok", "failed", "skipped"]
+    assert "the drafter exploded" in m["steps"][1]["error"]
+    assert m["metrics"]["01_ok"]["ok.value"] == 1 and "03_later" not in m["metrics"]
+    assert "the drafter exploded" in (run_dir / "02_bad.html").read_text()
+    assert not (run_dir / "03_later.ipynb").exists()
+    index = (run_dir / "index.html").read_text()
+    assert "failed" in index and "the drafter exploded" in index
+
+
+def test_bad_params_make_no_run_folder(workbook, tmp_path, capsys):
+    _nb(workbook / "notebooks" / "01_ok.ipynb", "pass")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("profile: x\nengine: {kind: warp}\n")
+    assert cli.main(["run", "--params", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "engine.kind" in err and str(bad) in err
+    assert cli.main(["run", "--only", "07"]) == 2
+    assert not (workbook / "outputs").exists()
+
+
+def test_select_notebooks_by_number_or_name(tmp_path):
+    avail = [tmp_path / "00_target.ipynb", tmp_path / "01_diagnose.ipynb", tmp_path / "02_patch.ipynb"]
+    assert runner.select_notebooks(avail, ["02", "01_diagnose"]) == avail[1:]
+    with pytest.raises(params.ParamsError):
+        runner.select_notebooks(avail, ["9"])
