@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/vllm_venv.sh 0.26.0 .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -e ".[dev]"
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -e ".[dev]" 2>&1 \
+  | { grep -v "^WARNING: Location" || true; }
 .venv/bin/python -m eagle3lab validate params/embedded.yaml > /dev/null
 echo "ready: .venv/bin/eagle3lab"

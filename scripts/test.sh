@@ -5,8 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/vllm_venv.sh 0.17.0 .venvs/vllm-0.17.0
-.venvs/vllm-0.17.0/bin/python -m pip install -q --disable-pip-version-check --no-compile --no-deps -e .
-.venvs/vllm-0.17.0/bin/python -m pip install -q --disable-pip-version-check --no-compile pytest
+pip017() { .venvs/vllm-0.17.0/bin/python -m pip install -q --disable-pip-version-check --no-compile "$@" 2>&1 \
+  | { grep -v "^WARNING: Location" || true; }; }
+pip017 --no-deps -e .   # its own deps (torch, transformers 4, pydantic, ...) come with vLLM 0.17
+pip017 pytest
 .venv/bin/ruff check lib tests notebooks
 echo "== tests on vLLM 0.17.0 (legacy) =="
 .venvs/vllm-0.17.0/bin/python -m pytest -q -p no:cacheprovider tests/vllm "$@"

@@ -9,7 +9,11 @@ version=$1; venv=$2; shift 2
 py=${PYTHON:-python3}
 torch_spec=${EAGLE3LAB_TORCH:-torch==2.13.0}
 if [ ! -x "$venv/bin/python" ]; then "$py" -m venv "$venv"; fi
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
+pip=(pipq "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
+# pip's noise about this machine's local indexes, and the CUDA packages we leave out on purpose being
+# "missing", is filtered; pip's own exit status still decides (pipefail).
+pipq() { "$@" 2>&1 | { grep -v -e "^WARNING: Location" -e "which is not installed" -e "which is incompatible" \
+  -e "dependency resolver does not currently" || true; }; }
 "${pip[@]}" --upgrade pip >/dev/null
 "${pip[@]}" "$torch_spec"
 "${pip[@]}" --no-deps "vllm==$version"
