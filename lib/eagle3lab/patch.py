@@ -1,0 +1,760 @@
+"""Give vLLM 0.15-0.17's DeepSeek-V2/V3 and Kimi-K2.5 classes the EAGLE-3 interface, in-process.
+
+vLLM refuses an EAGLE-3 drafter unless the *top-level* model class (the one the model runner holds,
+``KimiK25ForConditionalGeneration`` for Kimi-K2.5, not the inner text model) is a ``SupportsEagle3``;
+0.17 also refuses ``method="eagle3"`` in ``SpeculativeConfig`` for model types outside an allow-list.
+This module fixes both without editing any installed file:
+
+- the top-level classes get ``SupportsEagle3`` as a nominal base and every member the *installed*
+  Protocol lists (the Kimi wrapper delegates to its language model);
+- ``DeepseekV2Model.forward`` is replaced by the installed version's forward plus aux hidden-state
+  collection, the way vLLM 0.26 does it natively (:func:`run_layers_collecting_aux`);
+- 0.17's front-end allow-list gets the DeepSeek / Kimi model types.
+
+Every change is recorded in ``_REGISTRY`` (the only global state of the project), so applying twice
+equals applying once and :func:`revert` restores the exact originals. On vLLM >= 0.18 (native support)
+:func:`apply` is a reported no-op unless ``force=True``; :func:`simulate_legacy` removes the native
+support in-process to reproduce the 0.15-0.17 refusal.
+
+vLLM starts separate processes (engine core, one worker per tensor-parallel rank), so the patch reaches
+them through :func:`vllm_plugin`, a ``vllm.general_plugins`` entry point driven by ``EAGLE3LAB_PATCH``.
+vLLM is imported lazily: every vLLM process imports this module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "EAGLE3LAB_PATCH"
+PLUGIN_NAME = "eagle3lab"
+# What the matrices show: the family's causal LM, its DeepSeek-V3 subclass, and the Kimi-K2.5 wrapper.
+ARCHES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration")
+# Model types 0.17's SpeculativeConfig must admit for method eagle3 (substring match, like vLLM's own).
+GATE_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2", "kimi_k25")
+
+_DEEPSEEK_MODULE = "vllm.model_executor.models.deepseek_v2"
+_KIMI_MODULE = "vllm.model_executor.models.kimi_k25"
+# Names that belong to EAGLE-3 alone in any release (older getter name included): what the legacy
+# simulation strips. SupportsEagleBase's members (has_own_lm_head, ...) are shared with EAGLE-1/2: kept.
+_EAGLE3_ONLY = (
+    "supports_eagle3",
+    "set_aux_hidden_state_layers",
+    "get_eagle3_aux_hidden_state_layers",
+    "get_eagle3_default_aux_hidden_state_layers",
+)
+_GETTERS = ("get_eagle3_aux_hidden_state_layers", "get_eagle3_default_aux_hidden_state_layers")
+
+PATCH = "patch"
+LEGACY = "legacy_simulation"
+
+
+class _Missing:
+    """Marks an attribute that was absent from a class's own ``__dict__``."""
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING = _Missing()
+
+
+@dataclass
+class PatchRecord:
+    """One in-process change: ``target.attribute`` went from ``original`` to ``replacement``."""
+
+    target: Any
+    attribute: str
+    original: Any
+    replacement: Any
+
+    def describe(self) -> str:
+        """One line for reports, e.g. ``set DeepseekV2Model.forward``."""
+        name = getattr(self.target, "__qualname__", repr(self.target))
+        if self.attribute == "__code__":
+            return f"replace the code of {name} (allow-list constant extended)"
+        if self.attribute == "__bases__":
+            old = ", ".join(b.__name__ for b in self.original)
+            new = ", ".join(b.__name__ for b in self.replacement)
+            return f"{name}.__bases__: ({old}) -> ({new})"
+        verb = "delete" if self.replacement is MISSING else ("add" if self.original is MISSING else "replace")
+        return f"{verb} {name}.{self.attribute}"
+
+
+# group (PATCH or LEGACY) -> changes in the order they were made. Insertion order of the groups is the
+# order they were applied, so revert() walks both lists backwards.
+_REGISTRY: dict[str, list[PatchRecord]] = {}
+
+
+@dataclass
+class PatchReport:
+    """What :func:`apply` or :func:`simulate_legacy` did, with the interface matrix around it."""
+
+    vllm_version: str
+    operation: str
+    actions: list[str] = field(default_factory=list)
+    noop: bool = False
+    reason: str = ""
+    native_support: bool = False
+    legacy_simulation: bool = False
+    forced: bool = False
+    gate: dict[str, Any] = field(default_factory=dict)
+    before: list[dict[str, Any]] = field(default_factory=list)
+    after: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+# Aux hidden-state collection (pure: no vLLM)
+# --------------------------------------------------------------------------------------------------
+
+
+def validate_aux_ids(aux_ids: Iterable[int], num_layers: int | None = None) -> tuple[int, ...]:
+    """Check vLLM-convention aux ids (the input of layer k; ``num_layers`` = final pre-norm state).
+
+    Returns them sorted ascending; raises ValueError for id 0 (no residual stream exists before the
+    first layer: vLLM 0.26 crashes there), negative, duplicate or out-of-range ids.
+    """
+    ids = tuple(int(i) for i in aux_ids)
+    if any(i <= 0 for i in ids):
+        raise ValueError(
+            f"aux hidden-state layer ids {list(ids)}: id 0 (or negative) is invalid; vLLM's id k is the input "
+            "of layer k (hidden + residual), and there is no residual before layer 1; use ids >= 1"
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"aux hidden-state layer ids {list(ids)}: duplicates")
+    if num_layers is not None and any(i > num_layers for i in ids):
+        raise ValueError(
+            f"aux hidden-state layer ids {list(ids)}: out of range for {num_layers} layers (max id {num_layers})"
+        )
+    return tuple(sorted(ids))
+
+
+def run_layers_collecting_aux(
+    layers: Sequence[Any],
+    hidden_states: Any,
+    residual: Any,
+    aux_ids: Iterable[int],
+    call: Callable[[Any, Any, Any], tuple[Any, Any]],
+    start_layer: int = 0,
+    prepare: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None,
+    finish_aux: Callable[[Any], Any] | None = None,
+    collect_final: bool = True,
+) -> tuple[Any, Any, list[Any]]:
+    """Run ``layers`` (global ids ``start_layer, start_layer+1, ...``) and collect aux hidden states.
+
+    For each requested id k inside this range, ``hidden_states + residual`` at the *input* of layer k
+    (the residual stream after layer k-1) is collected; with ``collect_final`` an id equal to the end
+    of the range gives the final pre-norm state. States come back in ascending id order whatever the
+    order of ``aux_ids``. ``call(layer, hidden, residual)`` runs one layer; ``prepare`` (before the
+    collection at each layer) and ``finish_aux`` (on each collected state) are hooks for vLLM's
+    sequence-parallel gathers. Returns ``(hidden_states, residual, aux)``.
+    """
+    wanted = validate_aux_ids(aux_ids)
+    end_layer = start_layer + len(layers)
+    aux: list[Any] = []
+    for offset, layer in enumerate(layers):
+        if prepare is not None:
+            hidden_states, residual = prepare(layer, hidden_states, residual)
+        if start_layer + offset in wanted:
+            state = hidden_states + residual
+            aux.append(finish_aux(state) if finish_aux is not None else state)
+        hidden_states, residual = call(layer, hidden_states, residual)
+    if collect_final and end_layer in wanted:
+        aux.append(hidden_states + residual)
+    return hidden_states, residual, aux
+
+
+def _make_inner_forward(mod: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """DeepseekV2Model.forward of the installed release, plus aux collection (0.26's behaviour).
+
+    The helpers are taken from the installed deepseek_v2 module itself, so pipeline parallelism
+    (IntermediateTensors), inputs_embeds and llama-4 scaling behave exactly as the release's own
+    forward; the sequence-parallel all-gathers run only where the release has them (0.26).
+    """
+    import torch
+
+    get_pp_group = mod.get_pp_group
+    intermediate_tensors_cls = mod.IntermediateTensors
+    all_gather = getattr(mod, "tensor_model_parallel_all_gather", None)
+    llama_4_scaling_fn = getattr(mod, "_get_llama_4_scaling", None)
+
+    def forward(self, input_ids, positions, intermediate_tensors, inputs_embeds=None):
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is not None:
+                hidden_states = inputs_embeds
+            else:
+                if input_ids is None:
+                    raise ValueError("Either input_ids or inputs_embeds must be provided to DeepseekV2Model.forward")
+                hidden_states = self.embed_input_ids(input_ids)
+            residual = None
+        else:
+            assert intermediate_tensors is not None
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+
+        scaling_cfg = getattr(self.config, "llama_4_scaling", None)
+        llama_4_scaling = None
+        if scaling_cfg is not None and llama_4_scaling_fn is not None:
+            llama_4_scaling = llama_4_scaling_fn(
+                original_max_position_embeddings=scaling_cfg["original_max_position_embeddings"],
+                scaling_beta=scaling_cfg["beta"],
+                positions=positions,
+            )
+        n_tokens = positions.shape[0]
+
+        def gather_states(hidden, res):
+            # 0.26 sequence-parallel MoE: tokens are sharded across TP ranks between layers.
+            combined = all_gather(torch.cat([hidden, res], dim=-1), 0)[:n_tokens]
+            hidden, res = combined.split([self.hidden_size, self.hidden_size], dim=-1)
+            return hidden, res.contiguous()  # fused_add_rms_norm needs a contiguous residual
+
+        def prepare(layer, hidden, res):
+            if (
+                all_gather is not None
+                and hasattr(layer, "use_sequence_parallel_moe")
+                and hidden.shape[0] != n_tokens
+                and not layer.use_sequence_parallel_moe
+            ):
+                return gather_states(hidden, res)
+            return hidden, res
+
+        def finish_aux(state):
+            if all_gather is not None and state.shape[0] != n_tokens:
+                state = all_gather(state, 0)[:n_tokens]
+            return state
+
+        hidden_states, residual, aux_hidden_states = run_layers_collecting_aux(
+            list(self.layers)[self.start_layer : self.end_layer],
+            hidden_states,
+            residual,
+            self.aux_hidden_state_layers,
+            call=lambda layer, h, r: layer(positions, h, r, llama_4_scaling),
+            start_layer=self.start_layer,
+            prepare=prepare,
+            finish_aux=finish_aux,
+            collect_final=False,  # the final state exists only on the last PP rank, after the gather below
+        )
+
+        if not get_pp_group().is_last_rank:
+            return intermediate_tensors_cls({"hidden_states": hidden_states, "residual": residual})
+
+        if all_gather is not None and hidden_states.shape[0] != n_tokens:
+            hidden_states, residual = gather_states(hidden_states, residual)
+        if self.end_layer in self.aux_hidden_state_layers:
+            aux_hidden_states.append(hidden_states + residual)
+
+        hidden_states, _ = self.norm(hidden_states, residual)
+        if len(aux_hidden_states) > 0:
+            return hidden_states, aux_hidden_states
+        return hidden_states
+
+    # torch.compile support binds arguments by the release's own signature: keep it identical.
+    forward.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+    forward.__annotations__ = dict(getattr(original, "__annotations__", {}))
+    forward.__doc__ = "eagle3lab: DeepseekV2Model.forward with EAGLE-3 aux hidden-state collection."
+    forward.__eagle3lab__ = True  # type: ignore[attr-defined]
+    return forward
+
+
+# --------------------------------------------------------------------------------------------------
+# Members installed on the top-level classes
+# --------------------------------------------------------------------------------------------------
+
+
+def _causal_lm_set_aux(self: Any, layers: tuple[int, ...]) -> None:
+    """Which layers' inputs the inner model returns as aux hidden states (vLLM ids)."""
+    self.model.aux_hidden_state_layers = validate_aux_ids(layers, int(self.config.num_hidden_layers))
+
+
+def _causal_lm_default_aux(self: Any) -> tuple[int, ...]:
+    """vLLM's default rule (2, L//2, L-3), L read from the config."""
+    n = int(self.config.num_hidden_layers)
+    return (2, n // 2, n - 3)
+
+
+def _wrapper_set_aux(self: Any, layers: tuple[int, ...]) -> None:
+    """The multimodal wrapper delegates to its language model."""
+    self.language_model.set_aux_hidden_state_layers(layers)
+
+
+def _wrapper_getter(name: str) -> Callable[[Any], tuple[int, ...]]:
+    def getter(self: Any) -> tuple[int, ...]:
+        return getattr(self.language_model, name)()
+
+    getter.__name__ = name
+    getter.__doc__ = "Delegates to the language model's default aux layers."
+    return getter
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry operations
+# --------------------------------------------------------------------------------------------------
+
+
+def _record(group: str, target: Any, attribute: str, replacement: Any) -> PatchRecord:
+    if attribute in ("__bases__", "__code__"):  # always present; never in a class's own __dict__
+        original = getattr(target, attribute)
+    else:
+        original = target.__dict__.get(attribute, MISSING)
+    rec = PatchRecord(target, attribute, original, replacement)
+    _install(target, attribute, replacement)
+    _REGISTRY.setdefault(group, []).append(rec)
+    return rec
+
+
+def _install(target: Any, attribute: str, value: Any) -> None:
+    if value is MISSING:
+        if attribute in target.__dict__:
+            delattr(target, attribute)
+    else:
+        setattr(target, attribute, value)
+    if attribute == "__bases__" or attribute in _EAGLE3_ONLY:
+        _clear_protocol_caches()
+
+
+def _clear_protocol_caches() -> None:
+    # ABCMeta caches isinstance results per class; a bases change must not leave a stale verdict.
+    mod = sys.modules.get("vllm.model_executor.models.interfaces")
+    if mod is None:
+        return
+    for name in ("SupportsEagle3", "SupportsEagle", "SupportsEagleBase"):
+        proto = getattr(mod, name, None)
+        if proto is not None and hasattr(proto, "_abc_caches_clear"):
+            proto._abc_caches_clear()
+
+
+def applied() -> dict[str, list[str]]:
+    """What is applied now: group -> descriptions of its changes."""
+    return {g: [r.describe() for r in recs] for g, recs in _REGISTRY.items()}
+
+
+def revert() -> list[str]:
+    """Undo everything (patch and legacy simulation), newest first; returns what was undone."""
+    undone = []
+    for group in reversed(list(_REGISTRY)):
+        for rec in reversed(_REGISTRY[group]):
+            _install(rec.target, rec.attribute, rec.original)
+            undone.append("undo " + rec.describe())
+        del _REGISTRY[group]
+    return undone
+
+
+# --------------------------------------------------------------------------------------------------
+# Introspection of the installed vLLM
+# --------------------------------------------------------------------------------------------------
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version, or "" when none is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return ""
+
+
+def _interfaces() -> Any:
+    return importlib.import_module("vllm.model_executor.models.interfaces")
+
+
+def _classes() -> dict[str, type]:
+    """The classes the patch changes, imported from the same modules vLLM's registry loads."""
+    ds = importlib.import_module(_DEEPSEEK_MODULE)
+    kimi = importlib.import_module(_KIMI_MODULE)
+    return {
+        "DeepseekV2Model": ds.DeepseekV2Model,
+        "DeepseekV2ForCausalLM": ds.DeepseekV2ForCausalLM,
+        "DeepseekV3ForCausalLM": ds.DeepseekV3ForCausalLM,
+        "KimiK25ForConditionalGeneration": kimi.KimiK25ForConditionalGeneration,
+    }
+
+
+def resolve_arch(arch: str) -> type:
+    """The class vLLM's registry loads for ``arch``; ValueError when it is unknown or fails to import."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    try:
+        cls = ModelRegistry._try_load_model_cls(arch)
+    except Exception as exc:
+        raise ValueError(f"architecture {arch!r}: vLLM {vllm_version()} cannot load its class ({exc})") from exc
+    if cls is None:
+        raise ValueError(f"architecture {arch!r}: not in vLLM {vllm_version()}'s model registry")
+    return cls
+
+
+def protocol_members() -> list[str]:
+    """Members of the installed ``SupportsEagle3`` Protocol (from eagle3lab.diagnose)."""
+    from eagle3lab.diagnose import eagle3_protocol_members
+
+    return eagle3_protocol_members()
+
+
+def interface_matrix(arches: Iterable[str] = ARCHES) -> list[dict[str, Any]]:
+    """One row per architecture: diagnose.InterfaceReport as a dict, plus ``arch`` and ``refusal``."""
+    from eagle3lab.diagnose import interface_report
+
+    rows = []
+    for arch in arches:
+        cls = resolve_arch(arch)
+        row = {"arch": arch, **interface_report(cls).to_dict()}
+        row["refusal"] = refusal_for(cls)
+        rows.append(row)
+    return rows
+
+
+def refusal_for(model_cls: type) -> str | None:
+    """vLLM's model-runner error for an EAGLE-3 drafter on ``model_cls``, or None when it would pass.
+
+    Uses the runner's own test (``supports_eagle3``) on the class; the class answer is the instances'
+    answer once the interface is a nominal base.
+    """
+    from eagle3lab.diagnose import REFUSAL_MESSAGE
+
+    if not isinstance(model_cls, type):
+        model_cls = type(model_cls)
+    return None if _interfaces().supports_eagle3(model_cls) else REFUSAL_MESSAGE
+
+
+def native_support() -> bool:
+    """Whether the installed classes carry EAGLE-3 by themselves (vLLM >= 0.18), ignoring our changes."""
+    if LEGACY in _REGISTRY or PATCH in _REGISTRY:
+        # Judge from the recorded originals of the bases.
+        for rec in _REGISTRY.get(LEGACY, []) + _REGISTRY.get(PATCH, []):
+            if rec.attribute == "__bases__":
+                return _interfaces().SupportsEagle3 in _mro_of_bases(rec.original)
+    sup = _interfaces().SupportsEagle3
+    c = _classes()
+    return all(sup in c[n].__mro__ for n in ("DeepseekV2ForCausalLM", "KimiK25ForConditionalGeneration"))
+
+
+def _mro_of_bases(bases: tuple[type, ...]) -> set[type]:
+    return {k for b in bases for k in b.__mro__}
+
+
+# --------------------------------------------------------------------------------------------------
+# The 0.17 front-end gate (SpeculativeConfig's model-type allow-list for eagle3)
+# --------------------------------------------------------------------------------------------------
+
+
+def _gate_function() -> Any | None:
+    """The plain function behind SpeculativeConfig's after-validator that holds the allow-list."""
+    try:
+        spec = importlib.import_module("vllm.config.speculative")
+    except ImportError:
+        return None
+    cls = getattr(spec, "SpeculativeConfig", None)
+    raw = inspect.getattr_static(cls, "_verify_args", None) if cls is not None else None
+    func = getattr(raw, "wrapped", raw)  # pydantic keeps decorated validators behind a descriptor proxy
+    func = getattr(func, "__func__", func)
+    return func if inspect.isfunction(func) else None
+
+
+def _allow_list_const(code: Any) -> tuple[int, tuple[str, ...]] | None:
+    """Index and value of the string tuple the validator turns into its allow-list (has 'llama')."""
+    for i, c in enumerate(code.co_consts):
+        if isinstance(c, tuple) and c and all(isinstance(s, str) for s in c) and "llama" in c and "qwen" in c:
+            return i, c
+    return None
+
+
+def frontend_allow_list() -> list[str] | None:
+    """Model-type substrings SpeculativeConfig accepts for eagle3, or None when there is no such gate."""
+    func = _gate_function()
+    found = _allow_list_const(func.__code__) if func is not None else None
+    return list(found[1]) if found else None
+
+
+def frontend_admits(model_type: str) -> bool:
+    """Whether SpeculativeConfig lets ``method='eagle3'`` through for a target of ``model_type``."""
+    allow = frontend_allow_list()
+    return True if allow is None else any(s in model_type for s in allow)
+
+
+def _patch_gate(group: str) -> list[PatchRecord]:
+    func = _gate_function()
+    found = _allow_list_const(func.__code__) if func is not None else None
+    if found is None:
+        return []
+    i, allow = found
+    missing = tuple(t for t in GATE_MODEL_TYPES if t not in allow)
+    if not missing:
+        return []
+    consts = list(func.__code__.co_consts)
+    consts[i] = allow + missing
+    # The list is a literal inside the validator: extending the constant it is built from is the
+    # smallest reversible change (pydantic holds the function object, whose code we swap).
+    return [_record(group, func, "__code__", func.__code__.replace(co_consts=tuple(consts)))]
+
+
+# --------------------------------------------------------------------------------------------------
+# apply / simulate_legacy
+# --------------------------------------------------------------------------------------------------
+
+
+def _safe_matrix() -> list[dict[str, Any]]:
+    try:
+        return interface_matrix(ARCHES)
+    except (ValueError, ImportError) as exc:
+        return [{"error": str(exc)}]
+
+
+def _getter_names(members: Iterable[str]) -> list[str]:
+    names = [m for m in members if m in _GETTERS]
+    return names or list(_GETTERS[:1])
+
+
+def apply(force: bool = False, legacy_simulation: bool = False) -> PatchReport:
+    """Give the DeepSeek-V2/V3 and Kimi-K2.5 classes EAGLE-3 support in this process.
+
+    Idempotent. A no-op (reported) where the installed vLLM supports EAGLE-3 natively, unless
+    ``force`` (then our members and forward replace the native ones, to compare them on a GPU).
+    ``legacy_simulation`` first runs :func:`simulate_legacy` (vLLM >= 0.18).
+    """
+    pre_actions: list[str] = []
+    if legacy_simulation:
+        pre_actions = [f"legacy simulation: {a}" for a in simulate_legacy().actions]
+    rep = PatchReport(vllm_version=vllm_version(), operation="apply", forced=force, actions=pre_actions)
+    rep.legacy_simulation = LEGACY in _REGISTRY
+    rep.native_support = native_support()
+    rep.before = _safe_matrix()
+    if PATCH in _REGISTRY:
+        rep.noop, rep.reason = True, "already applied in this process"
+    elif rep.native_support and not rep.legacy_simulation and not force:
+        rep.noop = True
+        rep.reason = f"vLLM {rep.vllm_version} supports EAGLE-3 natively for these classes (use force=True to install ours)"
+    else:
+        rep.actions += [r.describe() for r in _apply_patch()]
+        if not rep.actions:
+            rep.noop, rep.reason = True, "nothing to change"
+    rep.gate = {t: frontend_admits(t) for t in GATE_MODEL_TYPES}
+    rep.after = _safe_matrix()
+    return rep
+
+
+_apply_fn = apply  # check() takes a parameter named apply
+
+
+def _apply_patch() -> list[PatchRecord]:
+    c = _classes()
+    sup = _interfaces().SupportsEagle3
+    members = protocol_members()
+    getters = _getter_names(members)
+    recs: list[PatchRecord] = []
+    _REGISTRY.setdefault(PATCH, [])
+    try:
+        for name, setter, getter_for in (
+            ("DeepseekV2ForCausalLM", _causal_lm_set_aux, lambda n: _causal_lm_default_aux),
+            ("KimiK25ForConditionalGeneration", _wrapper_set_aux, _wrapper_getter),
+        ):
+            cls = c[name]
+            if sup not in cls.__mro__:
+                # Nominal inheritance: isinstance passes for the class, its instances and subclasses.
+                recs.append(_record(PATCH, cls, "__bases__", (*cls.__bases__, sup)))
+            recs.append(_record(PATCH, cls, "supports_eagle3", True))
+            recs.append(_record(PATCH, cls, "set_aux_hidden_state_layers", setter))
+            for g in getters:
+                recs.append(_record(PATCH, cls, g, getter_for(g)))
+        inner = c["DeepseekV2Model"]
+        if "aux_hidden_state_layers" not in inner.__dict__:
+            recs.append(_record(PATCH, inner, "aux_hidden_state_layers", ()))
+        mod = sys.modules[inner.__module__]
+        recs.append(_record(PATCH, inner, "forward", _make_inner_forward(mod, inner.forward)))
+        recs += _patch_gate(PATCH)
+    except Exception:
+        revert_group(PATCH)
+        raise
+    return recs
+
+
+def revert_group(group: str) -> list[str]:
+    """Undo one group (PATCH or LEGACY) only; the other stays."""
+    undone = []
+    for rec in reversed(_REGISTRY.pop(group, [])):
+        _install(rec.target, rec.attribute, rec.original)
+        undone.append("undo " + rec.describe())
+    return undone
+
+
+def simulate_legacy() -> PatchReport:
+    """LEGACY SIMULATION (vLLM >= 0.18): remove native EAGLE-3 support to reproduce the 0.15-0.17 refusal.
+
+    ``SupportsEagle3`` leaves the bases of DeepseekV2ForCausalLM and KimiK25ForConditionalGeneration and
+    the EAGLE-3 members leave their class dicts, so ``supports_eagle3`` is False for them, their
+    instances and subclasses (DeepseekV3ForCausalLM). The inner model's native forward stays: with the
+    interface gone nothing can set its aux layers, so it behaves like 0.17's; :func:`apply` afterwards
+    installs our forward over it, exactly as on 0.17. A reported no-op on 0.15-0.17. Reversible.
+    """
+    rep = PatchReport(vllm_version=vllm_version(), operation="simulate_legacy", legacy_simulation=True)
+    rep.native_support = native_support()
+    rep.before = _safe_matrix()
+    if LEGACY in _REGISTRY:
+        rep.noop, rep.reason = True, "legacy simulation already active in this process"
+    elif PATCH in _REGISTRY:
+        raise ValueError("simulate_legacy: the patch is applied in this process; call revert() first")
+    elif not rep.native_support:
+        rep.noop = True
+        rep.reason = f"vLLM {rep.vllm_version} has no native EAGLE-3 support for these classes: nothing to simulate"
+        rep.legacy_simulation = False
+    else:
+        rep.actions = [r.describe() for r in _simulate()]
+    rep.after = _safe_matrix()
+    return rep
+
+
+def _simulate() -> list[PatchRecord]:
+    c = _classes()
+    sup = _interfaces().SupportsEagle3
+    recs: list[PatchRecord] = []
+    _REGISTRY.setdefault(LEGACY, [])
+    try:
+        for name in ("DeepseekV2ForCausalLM", "KimiK25ForConditionalGeneration"):
+            cls = c[name]
+            if sup in cls.__bases__:
+                recs.append(_record(LEGACY, cls, "__bases__", tuple(b for b in cls.__bases__ if b is not sup)))
+            elif sup in cls.__mro__:
+                raise ValueError(f"simulate_legacy: {name} inherits SupportsEagle3 indirectly; cannot simulate")
+            for m in _EAGLE3_ONLY:
+                if m in cls.__dict__:
+                    recs.append(_record(LEGACY, cls, m, MISSING))
+        still = [n for n in ARCHES if _interfaces().supports_eagle3(c[n])]
+        if still:
+            raise ValueError(f"simulate_legacy: {still} still pass supports_eagle3 after the simulation")
+    except Exception:
+        revert_group(LEGACY)
+        raise
+    return recs
+
+
+# --------------------------------------------------------------------------------------------------
+# The vLLM general plugin
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_plugin_env(raw: str) -> dict[str, bool]:
+    """Parse ``EAGLE3LAB_PATCH`` (JSON object with boolean apply/force/legacy_simulation)."""
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{ENV_VAR} is not valid JSON ({exc}): {raw!r}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{ENV_VAR} must be a JSON object, got {raw!r}")
+    keys = ("apply", "force", "legacy_simulation")
+    unknown = sorted(set(data) - set(keys))
+    if unknown:
+        raise ValueError(f"{ENV_VAR}: unknown keys {unknown} (allowed: {list(keys)})")
+    out = {}
+    for k in keys:
+        v = data.get(k, False)
+        if not isinstance(v, bool):
+            raise ValueError(f"{ENV_VAR}: {k} must be true or false, got {v!r}")
+        out[k] = v
+    return out
+
+
+def plugin_env(apply: bool, force: bool = False, legacy_simulation: bool = False) -> dict[str, str]:
+    """Environment variables that make every vLLM process started afterwards apply the patch.
+
+    Includes ``VLLM_PLUGINS`` only when it is already set (it is an allow-list) and lacks our name.
+    """
+    env = {ENV_VAR: json.dumps({"apply": apply, "force": force, "legacy_simulation": legacy_simulation})}
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None:
+        names = [n.strip() for n in allowed.split(",") if n.strip()]
+        if PLUGIN_NAME not in names:
+            env["VLLM_PLUGINS"] = ",".join([*names, PLUGIN_NAME])
+    return env
+
+
+def vllm_plugin() -> None:
+    """Entry point (group ``vllm.general_plugins``): apply what ``EAGLE3LAB_PATCH`` asks; never raises."""
+    raw = os.environ.get(ENV_VAR)
+    if not raw:
+        return
+    try:
+        cfg = parse_plugin_env(raw)
+        if cfg["legacy_simulation"] and LEGACY not in _REGISTRY:
+            rep = simulate_legacy()
+            logger.info("eagle3lab legacy simulation: %s", rep.reason or "; ".join(rep.actions))
+        if cfg["apply"]:
+            rep = apply(force=cfg["force"])
+            logger.info("eagle3lab patch (pid %d): %s", os.getpid(), rep.reason or f"{len(rep.actions)} changes")
+    except Exception as exc:  # vLLM does not guard general plugins: an exception here would kill it
+        logger.warning("eagle3lab: EAGLE-3 patch not applied in pid %d: %s", os.getpid(), exc)
+
+
+# --------------------------------------------------------------------------------------------------
+# check (the CLI's `eagle3lab patch --check ARCH`)
+# --------------------------------------------------------------------------------------------------
+
+
+def check(arch: str, apply: bool = True, force: bool = False, legacy_simulation: bool = False) -> dict[str, Any]:
+    """Interface of ``arch`` before and after (legacy simulation, then) the patch, in this process."""
+    do_apply = apply
+    cls = resolve_arch(arch)
+    out: dict[str, Any] = {"arch": arch, "vllm_version": vllm_version(), "actions": []}
+    if legacy_simulation:
+        out["actions"] += [f"legacy simulation: {a}" for a in simulate_legacy().actions]
+    out["before"] = interface_matrix([arch])[0]
+    if do_apply:
+        rep = _apply_fn(force=force)
+        out["actions"] += rep.actions
+        out["noop"], out["reason"] = rep.noop, rep.reason
+    else:
+        out["noop"], out["reason"] = True, "patch.apply is false"
+    out["after"] = interface_matrix([arch])[0]
+    out["refusal_before"] = out["before"]["refusal"]
+    out["refusal_after"] = refusal_for(cls)
+    # Success: the class ends up supported whenever the patch was asked for.
+    out["ok"] = bool(out["after"]["supports_eagle3"]) or not do_apply
+    return out
+
+
+def format_check(d: dict[str, Any]) -> str:
+    """Human-readable form of :func:`check`'s result."""
+    lines = [f"{d['arch']} on vLLM {d['vllm_version']}"]
+    for when in ("before", "after"):
+        r = d[when]
+        lines.append(
+            f"  {when:6s} supports_eagle3={r['supports_eagle3']!s:5s} nominal={r['nominal']!s:5s} "
+            f"missing={r['members_missing'] or '-'}"
+        )
+        lines.append(f"         refusal: {r['refusal'] or 'none'}")
+    if d.get("noop"):
+        lines.append(f"  no-op: {d.get('reason', '')}")
+    lines += [f"  - {a}" for a in d.get("actions", [])]
+    lines.append("  OK" if d.get("ok") else "  FAILED: the class is still refused")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m eagle3lab.patch --check ARCH [--json] [--no-apply] [--force] [--legacy-simulation]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m eagle3lab.patch", description=main.__doc__)
+    ap.add_argument("--check", metavar="ARCH", required=True)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-apply", action="store_true")
+    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--legacy-simulation", action="store_true")
+    a = ap.parse_args(argv)
+    d = check(a.check, apply=not a.no_apply, force=a.force, legacy_simulation=a.legacy_simulation)
+    print(json.dumps(d, indent=2, default=str) if a.json else format_check(d))
+    return 0 if d["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
