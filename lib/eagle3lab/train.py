@@ -112,6 +112,23 @@ def collate(samples: Sequence[dict[str, torch.Tensor]], max_seq_len: int | None 
     return {"input_ids": ids, "loss_mask": lm, "valid": valid, "aux": aux}
 
 
+def token_counts_from_dataset(dataset: Any, vocab_size: int, response_only: bool = True) -> torch.Tensor:
+    """Token frequencies over a dataset of {input_ids, loss_mask, ...} items, for the draft vocabulary.
+
+    ``response_only`` counts only loss-mask tokens: the drafter predicts responses, not prompts.
+    """
+    if len(dataset) == 0:
+        raise ValueError("token_counts_from_dataset: the dataset is empty")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(len(dataset)):
+        item = dataset[i]
+        ids = item["input_ids"][item["loss_mask"].bool()] if response_only else item["input_ids"]
+        if ids.numel() and int(ids.max()) >= vocab_size:
+            raise ValueError(f"item {i}: token id {int(ids.max())} outside the vocabulary of {vocab_size}")
+        counts += torch.bincount(ids.long(), minlength=vocab_size)
+    return counts
+
+
 # ----------------------------------------------------------------------------------------------------
 # the TTT loss
 
