@@ -14,6 +14,7 @@ import ast
 import functools
 import inspect
 import json
+import re
 import sys
 import textwrap
 import time
@@ -160,6 +161,7 @@ class TargetInfo:
     hidden_size: int | None = None
     vocab_size: int | None = None
     text_architectures: list[str] = field(default_factory=list)
+    model_type_source: str | None = None  # "config.json", "transformers mapping" or None (unknown)
 
 
 def read_json_config(path: str | Path) -> tuple[dict[str, Any], Path]:
@@ -212,11 +214,51 @@ def target_info(target: str | Path) -> TargetInfo:
             hidden_size=pick("hidden_size"),
             vocab_size=pick("vocab_size"),
             text_architectures=list(text.get("architectures") or []) if text is not cfg else [],
+            model_type_source="config.json",
         )
     name = str(target).strip()
     if not name.isidentifier():
         raise ValueError(f"target {target!r} is neither an architecture name nor an existing config path")
-    return TargetInfo(architecture=name)
+    mt = model_type_for_architecture(name)
+    return TargetInfo(
+        architecture=name, model_type=mt, text_model_type=mt, model_type_source="transformers mapping" if mt else None
+    )
+
+
+def model_type_for_architecture(arch: str) -> str | None:
+    """The model_type whose transformers class is named ``arch`` (reverse of transformers' auto mappings).
+
+    Only a guess for a bare architecture name: a checkpoint's own config.json is authoritative
+    (Kimi-K2.5, for one, is not in transformers, and its gate-relevant model_type is its text_config's).
+    """
+    try:
+        from transformers.models.auto import modeling_auto
+    except ImportError:
+        return None
+    candidates: list[str] = []
+    for name, mapping in vars(modeling_auto).items():
+        if not (name.endswith("_MAPPING_NAMES") and isinstance(mapping, dict)):
+            continue
+        for model_type, cls_names in mapping.items():
+            names = cls_names if isinstance(cls_names, (tuple, list)) else (cls_names,)
+            if arch in names and model_type not in candidates:
+                candidates.append(model_type)
+    if not candidates:
+        return None
+
+    # Several model_types can share a class (llama, code_llama, exaone...): prefer the one whose name
+    # is the architecture's stem (DeepseekV3ForCausalLM -> deepseek_v3).
+    def norm(x: str) -> str:
+        return "".join(ch for ch in x.lower() if ch.isalnum())
+
+    stem = norm(arch)
+    for suffix in ("forcausallm", "forconditionalgeneration", "lmheadmodel", "model"):
+        if stem.endswith(suffix):
+            stem = stem[: -len(suffix)]
+            break
+    exact = [c for c in candidates if norm(c) == stem]
+    prefix = sorted((c for c in candidates if stem.startswith(norm(c))), key=len, reverse=True)
+    return (exact or prefix or candidates)[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,25 +308,49 @@ def _file_line(cls: type) -> tuple[str | None, int | None]:
     return file, line
 
 
-def _defining_init(cls: type) -> Any:
-    """The ``__init__`` that actually runs for ``cls`` (inherited ones included), unwrapped."""
+def _defining_init(cls: type) -> tuple[ast.FunctionDef | None, dict[str, Any]]:
+    """The ``__init__`` that runs for ``cls`` (inherited ones included) as an ast node, and its globals.
+
+    Read from the defining class's source rather than from the function object: decorators such as
+    vLLM's ``support_torch_compile`` replace ``__init__`` with a wrapper that hides the original.
+    """
     for klass in cls.__mro__:
-        if "__init__" in klass.__dict__ and klass is not object:
-            return inspect.unwrap(klass.__dict__["__init__"])
-    return None
+        if klass is object or "__init__" not in klass.__dict__:
+            continue
+        env = vars(sys.modules[klass.__module__]) if klass.__module__ in sys.modules else {}
+        src = _source_of(klass)
+        if src is not None:
+            try:
+                tree = ast.parse(src)
+            except SyntaxError:
+                tree = None
+            if tree is not None and tree.body and isinstance(tree.body[0], ast.ClassDef):
+                for node in tree.body[0].body:
+                    if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+                        return node, env
+        return _function_node(klass.__dict__["__init__"])
+    return None, {}
 
 
-def _self_assignments(init: Any) -> dict[str, ast.expr]:
-    """``self.X = <expr>`` assignments of an ``__init__`` (the last one wins, as at run time)."""
-    src = _source_of(init)
+def _function_node(fn: Any) -> tuple[ast.FunctionDef | None, dict[str, Any]]:
+    fn = inspect.unwrap(fn)
+    src = _source_of(fn)
     if src is None:
-        return {}
+        return None, {}
     try:
         tree = ast.parse(src)
     except SyntaxError:
+        return None, {}
+    node = tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
+    return node, getattr(fn, "__globals__", {})
+
+
+def _self_assignments(init: ast.FunctionDef | None) -> dict[str, ast.expr]:
+    """``self.X = <expr>`` assignments of an ``__init__`` (the last one wins, as at run time)."""
+    if init is None:
         return {}
     out: dict[str, ast.expr] = {}
-    for node in ast.walk(tree):
+    for node in ast.walk(init):
         targets: list[ast.expr] = []
         value: ast.expr | None = None
         if isinstance(node, ast.Assign):
@@ -309,17 +375,23 @@ def _resolve_registry_arch(arch: str) -> type | None:
 
 
 def _resolve_callee(
-    call: ast.expr, cls: type, init: Any, text_architectures: list[str]
+    call: ast.expr, cls: type, env: dict[str, Any], text_architectures: list[str], depth: int = 0
 ) -> tuple[type | None, str]:
     """The class a ``self.X = <call>`` instantiates, and how that was found."""
-    if not isinstance(call, ast.Call):
+    if not isinstance(call, ast.Call) or depth > 2:
         return None, ""
     func = call.func
-    env = getattr(init, "__globals__", {})
     if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
-        obj = getattr(cls, func.attr, None)  # e.g. self.model_cls(...) -> the class attribute
-        if isinstance(obj, type):
+        obj = getattr(cls, func.attr, None)
+        if isinstance(obj, type):  # e.g. self.model_cls(...): a class attribute
             return obj, f"class attribute {func.attr}"
+        if callable(obj):  # e.g. self._init_model(...): follow what the helper returns
+            node, fenv = _function_node(obj)
+            for ret in ast.walk(node) if node is not None else []:
+                if isinstance(ret, ast.Return) and ret.value is not None:
+                    found, how = _resolve_callee(ret.value, cls, fenv, text_architectures, depth + 1)
+                    if found is not None:
+                        return found, f"{func.attr}() returns {how}"
         return None, ""
     name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
     if name is None:
@@ -346,14 +418,14 @@ def _resolve_callee(
 
 def _child(cls: type, text_architectures: list[str]) -> tuple[str, type, str] | None:
     """The (attribute, class, how) of the model ``cls`` delegates to, if any."""
-    init = _defining_init(cls)
-    assigns = _self_assignments(init) if init is not None else {}
+    init, env = _defining_init(cls)
+    assigns = _self_assignments(init)
     hints = {}
     for klass in reversed(cls.__mro__):
         hints.update(getattr(klass, "__annotations__", {}) or {})
     for attr in _CHILD_ATTRS:
         if attr in assigns:
-            child, how = _resolve_callee(assigns[attr], cls, init, text_architectures)
+            child, how = _resolve_callee(assigns[attr], cls, env, text_architectures)
             if child is not None and child is not cls:
                 return attr, child, f"__init__: self.{attr} = ... ({how})"
         hint = hints.get(attr)
@@ -371,8 +443,8 @@ def _torch_module() -> type:
 
 def _make_level(depth: int, attribute: str | None, cls: type, how: str) -> Level:
     interfaces = _interfaces_module()
-    init = _defining_init(cls)
-    assigns = _self_assignments(init) if init is not None else {}
+    init, _ = _defining_init(cls)
+    assigns = _self_assignments(init)
     forward = getattr(cls, "forward", None)
     fsrc = _source_of(forward) if forward is not None else None
     mixin = getattr(interfaces, "EagleModelMixin", None)
@@ -506,6 +578,8 @@ class Gate:
     model_type: str | None  # the model_type the gate would test for this target (None: unknown)
     passes: bool | None  # None when the model_type is unknown
     text: str = ""
+    # The verdict for every model_type the target carries (top level and text_config), for the record.
+    by_model_type: dict[str, bool] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -569,7 +643,8 @@ def evaluate_gates(info: TargetInfo, pkg_dir: Path | None = None) -> list[Gate]:
     for site, var, allowed, config_attr in find_model_type_gates(pkg_dir):
         mt = info.text_model_type if "text" in config_attr else info.model_type
         passes = None if mt is None else any(a in mt for a in allowed)
-        gates.append(Gate(site.file, site.line, var, allowed, config_attr, mt, passes, site.text))
+        every = {m: any(a in m for a in allowed) for m in (info.model_type, info.text_model_type) if m}
+        gates.append(Gate(site.file, site.line, var, allowed, config_attr, mt, passes, site.text, every))
     return gates
 
 
@@ -868,44 +943,66 @@ class RegistryRow:
         return asdict(self)
 
 
+_CLASS_RE = re.compile(r"^class\s+(\w+)\s*(?:\((.*?)\))?\s*:", re.M | re.S)
+_FROM_RE = re.compile(r"^[ \t]*from\s+(\.*[\w.]*)\s+import\s+(\([^)]*\)|[^\n]+)", re.M)
+_CHILD_RE = re.compile(
+    r"self\.(" + "|".join(_CHILD_ATTRS) + r")\s*(?::[^=\n]+)?=\s*([\w.]+)\s*\((.*?)\)\s*$", re.M | re.S
+)
+
+
 class _SourceIndex:
-    """Classes, bases, imports and ``__init__`` assignments of vLLM model modules, from ``ast`` only."""
+    """Classes, bases, imports and wrapper children of vLLM model modules, from their source text.
+
+    Regular expressions over vLLM's (black/ruff-formatted) sources instead of ``ast``: parsing and
+    walking ~250 model files takes about a minute on a busy CPU host, scanning them a second or two.
+    """
 
     def __init__(self) -> None:
-        self.modules: dict[str, tuple[dict[str, ast.ClassDef], dict[str, tuple[str, str]]] | None] = {}
+        self.root = vllm_package_dir().parent
+        self.modules: dict[str, tuple[dict[str, tuple[list[str], str]], dict[str, tuple[str, str]]] | None] = {}
 
     def _path(self, module: str) -> Path | None:
-        root = vllm_package_dir().parent
-        base = root.joinpath(*module.split("."))
+        base = self.root.joinpath(*module.split("."))
         for p in (base.with_suffix(".py"), base / "__init__.py"):
             if p.is_file():
                 return p
         return None
 
-    def load(self, module: str) -> tuple[dict[str, ast.ClassDef], dict[str, tuple[str, str]]] | None:
+    def load(self, module: str) -> tuple[dict[str, tuple[list[str], str]], dict[str, tuple[str, str]]] | None:
+        """(class name -> (base names, class body text), imported name -> (module, name)) of a module."""
         if module in self.modules:
             return self.modules[module]
         path = self._path(module)
         result = None
         if path is not None:
-            try:
-                tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-            except SyntaxError:
-                tree = None
-            if tree is not None:
-                classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
-                imports: dict[str, tuple[str, str]] = {}
-                pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
-                for n in ast.walk(tree):
-                    if isinstance(n, ast.ImportFrom):
-                        src = n.module or ""
-                        if n.level:
-                            parts = pkg.split(".")
-                            parts = parts[: len(parts) - (n.level - 1)] if n.level > 1 else parts
-                            src = ".".join(parts + ([src] if src else []))
-                        for a in n.names:
-                            imports[a.asname or a.name] = (src, a.name)
-                result = (classes, imports)
+            text = path.read_text(encoding="utf-8", errors="replace")
+            classes: dict[str, tuple[list[str], str]] = {}
+            matches = list(_CLASS_RE.finditer(text))
+            for i, m in enumerate(matches):
+                body = text[m.end() : matches[i + 1].start() if i + 1 < len(matches) else len(text)]
+                bases = []
+                for b in re.sub(r"\[.*?\]", "", m.group(2) or "", flags=re.S).split(","):
+                    b = b.strip()
+                    if b and "=" not in b:
+                        bases.append(b.rsplit(".", 1)[-1])
+                classes[m.group(1)] = (bases, body)
+            imports: dict[str, tuple[str, str]] = {}
+            pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
+            for m in _FROM_RE.finditer(text):
+                src, names = m.group(1), m.group(2).strip("() \n")
+                level = len(src) - len(src.lstrip("."))
+                if level:
+                    parts = pkg.split(".")
+                    parts = parts[: len(parts) - (level - 1)] if level > 1 else parts
+                    rest = src.lstrip(".")
+                    src = ".".join(parts + ([rest] if rest else []))
+                for item in re.sub(r"#[^\n]*", "", names).split(","):
+                    bits = item.split()
+                    if not bits:
+                        continue
+                    alias = bits[2] if len(bits) == 3 and bits[1] == "as" else bits[0]
+                    imports[alias] = (src, bits[0])
+            result = (classes, imports)
         self.modules[module] = result
         return result
 
@@ -933,42 +1030,27 @@ class _SourceIndex:
             loaded = self.load(mod)
             if loaded is None or cname not in loaded[0]:
                 continue
-            for b in loaded[0][cname].bases:
-                bname = b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else None
-                if isinstance(b, ast.Subscript):  # Generic[...] style bases
-                    v = b.value
-                    bname = v.id if isinstance(v, ast.Name) else None
-                if bname:
-                    r = self.resolve(mod, bname)
-                    if r is not None:
-                        todo.append(r)
+            for bname in loaded[0][cname][0]:
+                r = self.resolve(mod, bname)
+                if r is not None:
+                    todo.append(r)
         return out
 
     def child_archs(self, module: str, name: str) -> list[str]:
-        """Class names a wrapper's ``__init__`` builds for language_model/model (constants or names)."""
+        """What a wrapper builds for language_model/model: registry architectures or ``module:Class``."""
         found = []
         for mod, cname in self.ancestors(module, name):
             loaded = self.load(mod)
             if loaded is None or cname not in loaded[0]:
                 continue
-            for fn in loaded[0][cname].body:
-                if not (isinstance(fn, ast.FunctionDef) and fn.name == "__init__"):
-                    continue
-                for node in ast.walk(fn):
-                    if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
-                        continue
-                    tgt = node.targets[0]
-                    if not (isinstance(tgt, ast.Attribute) and tgt.attr in _CHILD_ATTRS):
-                        continue
-                    call = node.value
-                    f = call.func
-                    fname = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
-                    if "registered_model" in fname:
-                        for kw in call.keywords:
-                            if kw.arg == "architectures" and isinstance(kw.value, (ast.List, ast.Tuple)):
-                                found += [e.value for e in kw.value.elts if isinstance(e, ast.Constant)]
-                    elif fname:
-                        found.append(f"{mod}:{fname}")
+            for m in _CHILD_RE.finditer(loaded[0][cname][1]):
+                func, args = m.group(2).rsplit(".", 1)[-1], m.group(3)
+                if "registered_model" in func:
+                    arch = re.search(r"architectures\s*=\s*\[\s*[\"']([\w.]+)[\"']", args)
+                    if arch:
+                        found.append(arch.group(1))
+                else:
+                    found.append(f"{mod}:{func}")
         return found
 
 
@@ -1008,10 +1090,11 @@ def registry_table(show_progress: bool = False) -> list[RegistryRow]:
         if module is None:  # registered as a class object (out-of-tree plugin)
             mc = getattr(entry, "model_cls", None)
             module, cname = getattr(mc, "__module__", "?"), getattr(mc, "__name__", "?")
-        if idx.load(module) is None or cname not in idx.load(module)[0]:
+        where = idx.resolve(module, cname)  # packages re-export classes from submodules
+        if where is None:
             rows.append(RegistryRow(arch, kind, module, cname, None, False, "source not analysable"))
             continue
-        anc = idx.ancestors(module, cname)
+        anc = idx.ancestors(*where)
         native = (iface_mod, "SupportsEagle3") in anc
         fam = any(c == FAMILY_CAUSAL_LM for _, c in anc)
         note = "DeepSeek-V2 family" if fam else ""
