@@ -10,8 +10,12 @@ instead of ``output_hidden_states``, whose last entry is post-norm in some model
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -176,3 +180,229 @@ def verify_aux_mapping(
         keep = attention_mask.bool()[..., None]
         got, ref = got * keep, ref * keep
     return float((got - ref).abs().max())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Extraction to disk: shards of safetensors plus a manifest rewritten atomically after each shard.
+
+MANIFEST = "manifest.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ExtractionStats:
+    """Totals of an extraction (over all runs of a resumed one)."""
+
+    sequences: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    bytes: int
+    bytes_per_token: float
+    complete: bool
+    shards: int
+
+
+def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
+
+
+def read_manifest(hidden_dir: str | Path) -> dict[str, Any]:
+    """The manifest of an extraction folder (FileNotFoundError if there is none)."""
+    path = Path(hidden_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"no {MANIFEST} in {hidden_dir}: hidden states were not extracted there")
+    return json.loads(path.read_text())
+
+
+def _stats(manifest: dict[str, Any]) -> ExtractionStats:
+    s = manifest["stats"]
+    tokens, secs, size = s["tokens"], s["seconds"], s["bytes"]
+    return ExtractionStats(
+        sequences=s["sequences"],
+        tokens=tokens,
+        seconds=secs,
+        tokens_per_s=tokens / secs if secs > 0 else float("nan"),
+        bytes=size,
+        bytes_per_token=size / tokens if tokens else float("nan"),
+        complete=bool(manifest["complete"]),
+        shards=len(manifest["shards"]),
+    )
+
+
+def extract_hidden_states(
+    model: nn.Module,
+    samples_path: str | Path,
+    aux_layer_ids: Sequence[int],
+    out_dir: str | Path,
+    shard_sequences: int = 64,
+    dtype: str = "float32",
+    batch_size: int = 8,
+    device: str | torch.device | None = None,
+    target: str | Path | None = None,
+    progress: bool = True,
+    max_shards: int | None = None,
+) -> ExtractionStats:
+    """Run the target over prompt+response of every sample and store aux states in safetensors shards.
+
+    Shard ``j`` holds samples ``j*shard_sequences`` .. ``(j+1)*shard_sequences - 1`` (in id order); key
+    ``"{i}.input_ids"``, ``"{i}.loss_mask"`` (1 on response tokens) and ``"{i}.aux"`` for its i-th sequence
+    (``manifest["shards"][j]["ids"][i]`` is the sample id). Only one shard is in memory at a time. Each
+    shard is written to a temp name and renamed, then the manifest is rewritten atomically, so a killed
+    run resumes after its last complete shard with nothing lost or duplicated. ``max_shards`` stops after
+    that many new shards (chunked runs, tests).
+    """
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from eagle3lab.synthetic import read_samples
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+    if shard_sequences < 1 or batch_size < 1:
+        raise ValueError("shard_sequences and batch_size must be >= 1")
+    _, layers, _ = decoder_parts(model)
+    ids = check_aux_layer_ids(aux_layer_ids, len(layers))
+    samples = read_samples(samples_path)
+    if not samples:
+        raise ValueError(f"no samples in {samples_path}")
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    hidden_size = int(model.config.hidden_size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mpath = out / MANIFEST
+    fresh = {
+        "aux_layer_ids": ids,
+        "hidden_size": hidden_size,
+        "num_aux": len(ids),
+        "dtype": dtype,
+        "target": str(target) if target is not None else None,
+        "complete": False,
+        "shards": [],
+        "stats": {"sequences": 0, "tokens": 0, "seconds": 0.0, "bytes": 0},
+    }
+    manifest = json.loads(mpath.read_text()) if mpath.is_file() else fresh
+    for key in ("aux_layer_ids", "hidden_size", "dtype"):
+        if manifest[key] != fresh[key]:
+            raise ValueError(
+                f"{mpath}: existing extraction has {key}={manifest[key]!r}, this run asks {fresh[key]!r}; "
+                "use another folder or delete this one"
+            )
+    shards = [samples[i : i + shard_sequences] for i in range(0, len(samples), shard_sequences)]
+    start = len(manifest["shards"])
+    for j, rec in enumerate(manifest["shards"]):
+        if j >= len(shards) or rec["ids"] != [s["id"] for s in shards[j]]:
+            raise ValueError(f"{mpath}: shard {j} does not match the samples in {samples_path}; start afresh")
+    out_dtype = _DTYPES[dtype]
+    bar = tqdm(total=sum(len(s) for s in shards), initial=sum(len(s) for s in shards[:start]),
+               desc="extracting hidden states", disable=not progress)
+    for written, j in enumerate(range(start, len(shards))):
+        if max_shards is not None and written >= max_shards:
+            break
+        t0 = time.perf_counter()
+        tensors: dict[str, torch.Tensor] = {}
+        tokens = 0
+        shard = shards[j]
+        for b in range(0, len(shard), batch_size):
+            batch = shard[b : b + batch_size]
+            seqs = [list(s["prompt_ids"]) + list(s["output_ids"]) for s in batch]
+            width = max(len(s) for s in seqs)
+            # Right padding: causal attention keeps real tokens blind to the pad, so states are exact.
+            x = torch.zeros(len(seqs), width, dtype=torch.long)
+            mask = torch.zeros(len(seqs), width, dtype=torch.long)
+            for r, s in enumerate(seqs):
+                x[r, : len(s)] = torch.tensor(s)
+                mask[r, : len(s)] = 1
+            res = target_forward_with_aux(model, x.to(dev), ids, mask.to(dev))
+            aux = res.aux.to("cpu", out_dtype)
+            for r, (s, rec) in enumerate(zip(seqs, batch, strict=True)):
+                i = b + r
+                n_prompt = len(rec["prompt_ids"])
+                lm = torch.zeros(len(s), dtype=torch.uint8)
+                lm[n_prompt:] = 1
+                tensors[f"{i}.input_ids"] = torch.tensor(s, dtype=torch.long)
+                tensors[f"{i}.loss_mask"] = lm
+                tensors[f"{i}.aux"] = aux[r, : len(s)].contiguous()
+                tokens += len(s)
+            bar.update(len(batch))
+        name = f"shard-{j:05d}.safetensors"
+        tmp = out / (name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"ids": json.dumps([s["id"] for s in shard])})
+        os.replace(tmp, out / name)
+        size = (out / name).stat().st_size
+        secs = time.perf_counter() - t0
+        manifest["shards"].append({"file": name, "ids": [s["id"] for s in shard], "tokens": tokens, "bytes": size})
+        st = manifest["stats"]
+        st["sequences"] += len(shard)
+        st["tokens"] += tokens
+        st["seconds"] += secs
+        st["bytes"] += size
+        st["tokens_per_s"] = st["tokens"] / st["seconds"] if st["seconds"] > 0 else None
+        st["bytes_per_token"] = st["bytes"] / st["tokens"]
+        manifest["complete"] = len(manifest["shards"]) == len(shards)
+        _write_json_atomic(mpath, manifest)
+        del tensors
+    bar.close()
+    if len(manifest["shards"]) == len(shards) and not manifest["complete"]:
+        manifest["complete"] = True
+        _write_json_atomic(mpath, manifest)
+    return _stats(manifest)
+
+
+class HiddenStateDataset(torch.utils.data.Dataset):
+    """Sequences of an extraction folder: dicts of input_ids [T], loss_mask (bool) [T], aux (float) [T, n*H]."""
+
+    def __init__(self, hidden_dir: str | Path, allow_incomplete: bool = False) -> None:
+        self.hidden_dir = Path(hidden_dir)
+        self.manifest = read_manifest(hidden_dir)
+        if not self.manifest["complete"] and not allow_incomplete:
+            raise ValueError(
+                f"{self.hidden_dir}: extraction is incomplete ({len(self.manifest['shards'])} shards written); "
+                "finish it (re-run resumes) or pass allow_incomplete=True"
+            )
+        self.aux_layer_ids: list[int] = list(self.manifest["aux_layer_ids"])
+        self.hidden_size: int = int(self.manifest["hidden_size"])
+        self._index = [(s, i) for s, rec in enumerate(self.manifest["shards"]) for i in range(len(rec["ids"]))]
+        self.sample_ids = [sid for rec in self.manifest["shards"] for sid in rec["ids"]]
+        self._open: tuple[int, Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _handle(self, shard: int) -> Any:
+        from safetensors import safe_open
+
+        if self._open is None or self._open[0] != shard:
+            path = self.hidden_dir / self.manifest["shards"][shard]["file"]
+            if not path.is_file():
+                raise FileNotFoundError(f"shard listed in the manifest is missing: {path}")
+            self._open = (shard, safe_open(str(path), framework="pt"))
+        return self._open[1]
+
+    def get(self, idx: int, keys: Sequence[str] = ("input_ids", "loss_mask", "aux")) -> dict[str, torch.Tensor]:
+        """Item ``idx`` with only some of its tensors (cheap token statistics)."""
+        if not 0 <= idx < len(self._index):
+            raise IndexError(f"index {idx} out of range for {len(self._index)} sequences")
+        shard, i = self._index[idx]
+        h = self._handle(shard)
+        out: dict[str, torch.Tensor] = {}
+        if "input_ids" in keys:
+            out["input_ids"] = h.get_tensor(f"{i}.input_ids").long()
+        if "loss_mask" in keys:
+            out["loss_mask"] = h.get_tensor(f"{i}.loss_mask").bool()
+        if "aux" in keys:
+            out["aux"] = h.get_tensor(f"{i}.aux").float()
+        return out
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        return self.get(idx)
+
+
+def iter_token_ids(hidden_dir: str | Path, allow_incomplete: bool = False):
+    """Yield ``(input_ids LongTensor[T], loss_mask BoolTensor[T])`` per stored sequence, without the aux states."""
+    ds = HiddenStateDataset(hidden_dir, allow_incomplete=allow_incomplete)
+    for k in range(len(ds)):
+        item = ds.get(k, ("input_ids", "loss_mask"))
+        yield item["input_ids"], item["loss_mask"]

@@ -1,0 +1,145 @@
+"""Aux hidden states in vLLM's convention, and their resumable extraction to disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from eagle3lab import hidden_states as H
+from eagle3lab import target as T
+
+
+class _Tok:
+    bos_token_id, eos_token_id, pad_token_id = 0, 1, 2
+
+    def __len__(self) -> int:
+        return 320
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = T.build_model(T.make_config(T.tiny_spec(), _Tok()), seed=0).eval()
+    return m
+
+
+def _samples(path, n=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            p = torch.randint(3, 320, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+            o = torch.randint(3, 320, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+            f.write(json.dumps({"id": i, "prompt_ids": p, "output_ids": o}) + "\n")
+    return path
+
+
+def test_shapes_and_ascending_order(model):
+    x = torch.randint(3, 320, (2, 9))
+    out = H.target_forward_with_aux(model, x, [4, 1, 2])
+    h = model.config.hidden_size
+    assert out.aux_layer_ids == [1, 2, 4]
+    assert out.logits.shape == (2, 9, 320) and out.logits.dtype == torch.float32
+    assert out.aux.shape == (2, 9, 3 * h)
+    single = H.target_forward_with_aux(model, x, [2]).aux
+    assert torch.equal(out.aux[..., h : 2 * h], single)
+
+
+def test_hand_computation_of_one_layer(model):
+    # id 2 is the input of layer 2 = output of layer 1 applied to the id-1 state.
+    x = torch.randint(3, 320, (1, 7))
+    out = H.target_forward_with_aux(model, x, [1, 2])
+    h = model.config.hidden_size
+    s1, s2 = out.aux[..., :h], out.aux[..., h:]
+    inner = model.model
+    pos = torch.arange(7)[None]
+    mask = torch.full((7, 7), torch.finfo(torch.float32).min).triu(1)[None, None]
+    with torch.no_grad():
+        by_hand = inner.layers[1](s1, attention_mask=mask, position_ids=pos,
+                                  position_embeddings=inner.rotary_emb(s1, pos))  # fmt: skip
+    by_hand = by_hand[0] if isinstance(by_hand, tuple) else by_hand
+    assert torch.allclose(by_hand, s2, atol=1e-5)
+    assert not torch.allclose(s1, s2)  # the layer did something
+
+
+def test_last_id_is_pre_norm(model):
+    x = torch.randint(3, 320, (2, 6))
+    n = model.config.num_hidden_layers
+    out = H.target_forward_with_aux(model, x, [n])
+    with torch.no_grad():
+        logits = model.lm_head(model.model.norm(out.aux))
+    assert torch.allclose(logits, out.logits, atol=1e-5)
+    # transformers' own last hidden state is post-norm: it must differ from ours.
+    last = model(input_ids=x, output_hidden_states=True).hidden_states[-1]
+    assert not torch.allclose(last, out.aux, atol=1e-3)
+
+
+@pytest.mark.parametrize("ids", [[0, 2], [1, 5], [-1], [], [2, 2]])
+def test_bad_ids_rejected(model, ids):
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        H.target_forward_with_aux(model, torch.zeros(1, 3, dtype=torch.long), ids)
+
+
+def test_verify_mapping_with_right_padding(model):
+    x = torch.randint(3, 320, (2, 8))
+    mask = torch.ones_like(x)
+    mask[1, 5:] = 0
+    assert H.verify_aux_mapping(model, x, [1, 3, 4]) < 1e-5
+    assert H.verify_aux_mapping(model, x, [1, 3, 4], mask) < 1e-5
+
+
+def _shard_bytes(d):
+    return {p.name: p.read_bytes() for p in sorted(d.glob("shard-*.safetensors"))}
+
+
+def test_extraction_resume_is_identical(model, tmp_path):
+    samples = _samples(tmp_path / "samples.jsonl")
+    full = H.extract_hidden_states(model, samples, [1, 4], tmp_path / "a", shard_sequences=3, batch_size=2,
+                                   progress=False)  # fmt: skip
+    assert full.complete and full.shards == 3 and full.sequences == 7
+    # Interrupted after one shard, with a torn temp file left behind, then resumed.
+    part = H.extract_hidden_states(model, samples, [1, 4], tmp_path / "b", shard_sequences=3, batch_size=2,
+                                   progress=False, max_shards=1)  # fmt: skip
+    assert not part.complete and part.shards == 1
+    with pytest.raises(ValueError, match="incomplete"):
+        H.HiddenStateDataset(tmp_path / "b")
+    assert len(H.HiddenStateDataset(tmp_path / "b", allow_incomplete=True)) == 3
+    (tmp_path / "b" / "shard-00001.safetensors.tmp").write_bytes(b"garbage")
+    done = H.extract_hidden_states(model, samples, [1, 4], tmp_path / "b", shard_sequences=3, batch_size=2,
+                                   progress=False)  # fmt: skip
+    assert done.complete and done.sequences == 7 and done.tokens == full.tokens
+    assert _shard_bytes(tmp_path / "a") == _shard_bytes(tmp_path / "b")
+    ma, mb = H.read_manifest(tmp_path / "a"), H.read_manifest(tmp_path / "b")
+    assert ma["shards"] == mb["shards"] and mb["complete"]
+    assert done.bytes_per_token == pytest.approx(full.bytes_per_token)
+
+
+def test_dataset_matches_forward_and_mask(model, tmp_path):
+    samples = _samples(tmp_path / "samples.jsonl", n=4)
+    H.extract_hidden_states(model, samples, [2, 4], tmp_path / "h", shard_sequences=3, batch_size=3, progress=False)
+    ds = H.HiddenStateDataset(tmp_path / "h")
+    assert len(ds) == 4 and ds.aux_layer_ids == [2, 4] and ds.hidden_size == 32
+    recs = [json.loads(line) for line in samples.read_text().splitlines()]
+    for k in (0, 3):
+        item = ds[k]
+        seq = recs[k]["prompt_ids"] + recs[k]["output_ids"]
+        assert item["input_ids"].tolist() == seq
+        assert item["loss_mask"].dtype == torch.bool
+        assert item["loss_mask"].tolist() == [False] * len(recs[k]["prompt_ids"]) + [True] * len(recs[k]["output_ids"])
+        ref = H.target_forward_with_aux(model, torch.tensor([seq]), [2, 4]).aux[0]
+        assert torch.allclose(item["aux"], ref, atol=1e-5)
+    toks = list(H.iter_token_ids(tmp_path / "h"))
+    assert sum(len(t) for t, _ in toks) == sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in recs)
+
+
+def test_extraction_bf16_and_errors(model, tmp_path):
+    samples = _samples(tmp_path / "samples.jsonl", n=3)
+    s32 = H.extract_hidden_states(model, samples, [1, 2], tmp_path / "f32", progress=False)
+    s16 = H.extract_hidden_states(model, samples, [1, 2], tmp_path / "bf16", dtype="bfloat16", progress=False)
+    assert s16.bytes < 0.7 * s32.bytes
+    with pytest.raises(ValueError, match="dtype"):
+        H.extract_hidden_states(model, samples, [1, 2], tmp_path / "f32", dtype="bfloat16", progress=False)
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        H.extract_hidden_states(model, samples, [0, 2], tmp_path / "x", progress=False)
+    with pytest.raises(FileNotFoundError):
+        H.HiddenStateDataset(tmp_path / "nowhere")
