@@ -1,0 +1,89 @@
+"""Benchmark the README's run command: wall time and peak memory of the whole process tree.
+
+    .venv/bin/python scripts/bench_embedded.py [--params params/embedded.yaml] [-p k=v ...]
+
+Runs `python -m eagle3lab run` as a child, samples the summed RSS of it and all its descendants (the
+notebook kernels) every 0.5 s, and writes benchmarks/<profile>-<date>.json with the machine, the date,
+the figures and the run's headline metrics. Targets (issue 3): <= 15 min and < 8 GB on 2 cores / 24 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params", default=str(ROOT / "params" / "embedded.yaml"))
+    ap.add_argument("-p", dest="overrides", action="append", default=[])
+    a = ap.parse_args()
+    cmd = [sys.executable, "-m", "eagle3lab", "run", "--params", a.params, "--no-progress"]
+    for o in a.overrides:
+        cmd += ["-p", o]
+    t0 = time.time()
+    child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = psutil.Process(child.pid)
+    peak = 0
+    while child.poll() is None:
+        peak = max(peak, tree_rss(proc))
+        time.sleep(0.5)
+    wall = time.time() - t0
+    out = child.stdout.read() if child.stdout else ""
+    print(out, end="")
+    report_line = [ln for ln in out.splitlines() if ln.startswith("report: ")]
+    run_dir = Path(report_line[-1].split("report: ", 1)[1]).parent if report_line else None
+    summary = json.loads((run_dir / "metrics.json").read_text()) if run_dir else {}
+    merged = {k: v for m in summary.get("metrics", {}).values() for k, v in m.items()}
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30, 1),
+                    "python": platform.python_version()},
+        "command": " ".join(cmd[1:]),
+        "exit_code": child.returncode,
+        "wall_seconds": round(wall, 1),
+        "peak_rss_gb": round(peak / 2**30, 2),
+        "steps": summary.get("steps", []),
+        "run_dir": str(run_dir) if run_dir else None,
+        "headline": {k: merged[k] for k in sorted(merged) if k.startswith(("acceptance.", "target.", "train.", "hidden.", "data."))},
+    }
+    profile = Path(a.params).stem
+    dest = ROOT / "benchmarks" / f"{profile}-{datetime.now().strftime('%Y%m%d-%H%M')}.json"
+    dest.write_text(json.dumps(result, indent=2))
+    print(f"wall {wall:.0f} s, peak RSS {peak / 2**30:.2f} GB -> {dest}")
+    return child.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
