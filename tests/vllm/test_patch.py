@@ -351,3 +351,13 @@ def test_forward_collects_like_026(c, monkeypatch):
     embeds = m.embed_input_ids(torch.tensor([3, 4]))
     out2, _ = ours(m, None, torch.arange(2), None, inputs_embeds=embeds)
     torch.testing.assert_close(out2, out)
+
+
+def test_check_for_the_cli(c):
+    d = patch.check("KimiK25ForConditionalGeneration", apply=True, legacy_simulation=NATIVE)
+    assert d["before"]["supports_eagle3"] is False and REFUSAL in d["refusal_before"]
+    assert d["after"]["supports_eagle3"] is True and d["refusal_after"] is None and d["ok"]
+    text = patch.format_check(d)
+    assert "KimiK25ForConditionalGeneration" in text and text.rstrip().endswith("OK")
+    with pytest.raises(ValueError, match="NoSuchArch"):
+        patch.check("NoSuchArch")
