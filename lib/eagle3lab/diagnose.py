@@ -11,6 +11,7 @@ vLLM is imported lazily inside the functions, so ``import eagle3lab.diagnose`` s
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import json
@@ -54,7 +55,21 @@ _PROTOCOL_NOISE = frozenset(
 # --------------------------------------------------------------------------------------------------
 
 
+def _import_vllm() -> Any:
+    """Import vLLM with stdout pointed at stderr.
+
+    vLLM's log handler binds ``sys.stdout`` when vLLM is first imported; binding it to stderr instead
+    keeps ``eagle3lab diagnose --json`` output parseable. A no-op when vLLM was imported before.
+    """
+    with contextlib.redirect_stdout(sys.stderr):
+        import vllm
+        import vllm.model_executor.models.interfaces  # noqa: F401
+        import vllm.model_executor.models.registry  # noqa: F401
+    return vllm
+
+
 def _interfaces_module() -> Any:
+    _import_vllm()
     from vllm.model_executor.models import interfaces
 
     return interfaces
@@ -764,7 +779,7 @@ def diagnose(target: str | Path, drafter_config: str | Path | None = None) -> Di
     """
     t0 = time.perf_counter()
     info = target_info(target)
-    import vllm
+    vllm = _import_vllm()
 
     members = eagle3_protocol_members()
     raise_sites = find_raise_sites()
@@ -1056,6 +1071,7 @@ class _SourceIndex:
 
 def _text_generation_archs() -> list[tuple[str, str]]:
     """(architecture, kind) for the installed registry's text-generation and multimodal generators."""
+    _import_vllm()
     from vllm.model_executor.models import registry
 
     out = []
