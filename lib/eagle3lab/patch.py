@@ -702,7 +702,17 @@ def vllm_plugin() -> None:
 
 
 def check(arch: str, apply: bool = True, force: bool = False, legacy_simulation: bool = False) -> dict[str, Any]:
-    """Interface of ``arch`` before and after (legacy simulation, then) the patch, in this process."""
+    """Interface of ``arch`` before and after (legacy simulation, then) the patch, in this process.
+
+    vLLM logs to stdout; its log lines go to stderr here, so that ``--json`` output stays parseable.
+    """
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):
+        return _check(arch, apply, force, legacy_simulation)
+
+
+def _check(arch: str, apply: bool, force: bool, legacy_simulation: bool) -> dict[str, Any]:
     do_apply = apply
     cls = resolve_arch(arch)
     out: dict[str, Any] = {"arch": arch, "vllm_version": vllm_version(), "actions": []}
