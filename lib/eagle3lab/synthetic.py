@@ -1,0 +1,256 @@
+"""Synthetic training data: prompts, and the target's own responses to them.
+
+EAGLE-3 drafters learn best from the target's own outputs, so (as the original deployment did with
+10,000 samples) the target regenerates a response for every prompt. Files written here:
+
+- ``samples.jsonl``: ``{"id", "prompt_ids", "output_ids"}`` per line (``output_ids``: response only);
+- ``heldout_prompts.jsonl``: ``{"id", "prompt_ids"}`` from the held-out split (for 05_acceptance);
+- ``meta.json``: how they were made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+SAMPLES = "samples.jsonl"
+HELDOUT = "heldout_prompts.jsonl"
+META = "meta.json"
+
+
+def line_windows(
+    tokenizer: Any, texts: Sequence[str], num_prompts: int, prompt_tokens: int, seed: int
+) -> list[list[int]]:
+    """``num_prompts`` prompts of exactly ``prompt_tokens`` tokens, each starting at a line start.
+
+    Line starts are drawn without replacement with ``random.Random(seed)``; a start whose remaining
+    text is too short for ``prompt_tokens`` tokens is skipped.
+    """
+    if num_prompts < 1 or prompt_tokens < 1:
+        raise ValueError(f"num_prompts and prompt_tokens must be >= 1 (got {num_prompts}, {prompt_tokens})")
+    starts = [(t, i) for t, text in enumerate(texts) for i in _line_starts(text)]
+    if not starts:
+        raise ValueError("empty prompt set: the corpus split has no text to cut prompts from")
+    rng = random.Random(seed)
+    rng.shuffle(starts)
+    prompts: list[list[int]] = []
+    # Generous character window: byte-level BPE rarely exceeds ~6 characters per token on code.
+    span = 8 * prompt_tokens + 64
+    for t, i in starts:
+        chunk = texts[t][i : i + span]
+        if not chunk.strip():
+            continue
+        ids = tokenizer(chunk, add_special_tokens=False)["input_ids"]
+        if len(ids) >= prompt_tokens:
+            prompts.append(ids[:prompt_tokens])
+            if len(prompts) == num_prompts:
+                break
+    if not prompts:
+        raise ValueError(f"empty prompt set: no window of {prompt_tokens} tokens found in the corpus split")
+    return prompts
+
+
+def _line_starts(text: str) -> list[int]:
+    out = [0]
+    pos = text.find("\n")
+    while pos != -1:
+        if pos + 1 < len(text) and text[pos + 1] != "\n":
+            out.append(pos + 1)
+        pos = text.find("\n", pos + 1)
+    return out
+
+
+def corpus_prompts(
+    tokenizer: Any, corpus: Any, num_prompts: int, heldout_prompts: int, prompt_tokens: int, seed: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Embedded profile: (training prompts from the training split, held-out prompts from the held-out split)."""
+    train = line_windows(tokenizer, corpus.train_texts, num_prompts, prompt_tokens, seed)
+    held = line_windows(tokenizer, corpus.heldout_texts, heldout_prompts, prompt_tokens, seed + 1)
+    return train, held
+
+
+def file_prompts(
+    path: str | Path, tokenizer: Any, num_prompts: int, heldout_prompts: int, seed: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Real profiles: prompts from a JSONL file (``{"prompt": str}`` or ``{"messages": [...]}`` per line).
+
+    Messages go through the tokenizer's chat template (with the generation prompt) when it has one. The
+    lines are shuffled with ``seed``; the first ``heldout_prompts`` are held out, the next ``num_prompts``
+    are for training (fewer if the file is short).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file does not exist: {path}")
+    prompts: list[list[int]] = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+        prompts.append(_encode_record(rec, tokenizer, f"{path}:{n}"))
+    if not prompts:
+        raise ValueError(f"empty prompt set: {path} has no prompts")
+    random.Random(seed).shuffle(prompts)
+    held = prompts[:heldout_prompts]
+    train = prompts[heldout_prompts : heldout_prompts + num_prompts]
+    if not train:
+        raise ValueError(
+            f"empty prompt set: {path} has {len(prompts)} prompts, all taken by the {heldout_prompts} held-out ones"
+        )
+    return train, held
+
+
+def _encode_record(rec: Any, tokenizer: Any, where: str) -> list[int]:
+    if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+        ids = tokenizer(rec["prompt"])["input_ids"]
+    elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+        if getattr(tokenizer, "chat_template", None):
+            # tokenize=False then encode: the return type of tokenize=True changed within transformers 5.
+            text = tokenizer.apply_chat_template(rec["messages"], tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            text = "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in rec["messages"])
+            ids = tokenizer(text)["input_ids"]
+    else:
+        raise ValueError(f"{where}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}")
+    if not ids:
+        raise ValueError(f"{where}: prompt encodes to no tokens")
+    return list(ids)
+
+
+def write_jsonl_atomic(path: str | Path, records: Sequence[dict[str, Any]]) -> Path:
+    """Write a small JSONL file in one go (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)
+    return path
+
+
+def write_heldout(out_dir: str | Path, prompts: Sequence[Sequence[int]]) -> Path:
+    """``heldout_prompts.jsonl``: one ``{"id", "prompt_ids"}`` per line."""
+    return write_jsonl_atomic(Path(out_dir) / HELDOUT, [{"id": i, "prompt_ids": list(p)} for i, p in enumerate(prompts)])
+
+
+def write_meta(out_dir: str | Path, meta: dict[str, Any]) -> Path:
+    """``meta.json`` (atomic)."""
+    path = Path(out_dir) / META
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(META + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+    tmp.replace(path)
+    return path
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a JSONL file (a torn last line, from a kill mid-write, is ignored)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"JSONL file does not exist: {path}")
+    out = []
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def read_samples(path: str | Path) -> list[dict[str, Any]]:
+    """Samples of ``samples.jsonl`` (or of a folder holding it), sorted by id."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / SAMPLES
+    return sorted(read_jsonl(path), key=lambda r: r["id"])
+
+
+def _repair_tail(path: Path) -> set[int]:
+    """Truncate a torn last line and return the ids already present."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1  # everything after the last newline is a partial record
+    ids: set[int] = set()
+    good = 0
+    for line in data[:keep].split(b"\n"):
+        if not line:
+            continue
+        try:
+            ids.add(int(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            break
+        good += len(line) + 1
+    if good != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return ids
+
+
+def generate_samples(
+    engine: Any,
+    prompts: Sequence[Sequence[int]],
+    out_dir: str | Path,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress: bool = True,
+    max_batches: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> Path:
+    """Regenerate a response for every prompt with ``engine``, appended batch by batch to samples.jsonl.
+
+    Resumable: ids already in the file are skipped and a torn last line is cut. Batches are fixed by
+    prompt index (batch ``b`` = prompts ``b*batch_size`` to ``(b+1)*batch_size - 1``, sampling seed
+    ``seed + b``); a batch that is partly present is regenerated whole and only its missing rows are
+    written, so a resumed file is byte-identical to an uninterrupted one. ``max_batches`` stops after
+    that many generated batches (for chunked runs); ``on_batch(b)`` is called after each written batch.
+    """
+    from tqdm.auto import tqdm
+
+    if not prompts:
+        raise ValueError("empty prompt set: nothing to generate")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / SAMPLES
+    done = _repair_tail(path)
+    n_batches = (len(prompts) + batch_size - 1) // batch_size
+    todo = [
+        b
+        for b in range(n_batches)
+        if any(i not in done for i in range(b * batch_size, min(len(prompts), (b + 1) * batch_size)))
+    ]
+    generated = 0
+    with open(path, "ab") as f:
+        for b in tqdm(todo, desc="generating samples", disable=not progress):
+            if max_batches is not None and generated >= max_batches:
+                break
+            idx = list(range(b * batch_size, min(len(prompts), (b + 1) * batch_size)))
+            outs = engine.generate(
+                [list(prompts[i]) for i in idx], max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + b
+            )
+            lines = [
+                json.dumps({"id": i, "prompt_ids": list(prompts[i]), "output_ids": list(o)})
+                for i, o in zip(idx, outs, strict=True)
+                if i not in done
+            ]
+            f.write(("\n".join(lines) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+            done.update(idx)
+            generated += 1
+            if on_batch is not None:
+                on_batch(b)
+    return path

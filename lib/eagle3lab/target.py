@@ -1,0 +1,458 @@
+"""The embedded target: a small DeepSeek-V3-architecture model trained here, on text every machine has.
+
+No weights or data sets can be downloaded, so the embedded profile builds its own target: a byte-level
+BPE tokenizer and a DeepSeekV3ForCausalLM (MLA with q/kv LoRA ranks and rope/nope head dims, routed and
+shared experts, first dense layers: Kimi-K2.5's text architecture at toy size), trained briefly on the
+Python standard library's own ``.py`` sources. It is saved with ``save_pretrained`` so that vLLM loads it
+like any DeepSeek-V3 checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import sysconfig
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # only for annotations: the target code runs without pydantic (e.g. on a GPU host)
+    from eagle3lab.params import EmbeddedTarget
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+# Folders of the standard library that are not library code, or not ours to read.
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+
+
+@dataclass
+class Corpus:
+    """Text of the training and held-out splits (split by file) and where it came from."""
+
+    train_texts: list[str]
+    heldout_texts: list[str]
+    train_files: list[str]
+    heldout_files: list[str]
+    source_dir: str
+
+    @property
+    def train_bytes(self) -> int:
+        return sum(len(t.encode()) for t in self.train_texts)
+
+    @property
+    def heldout_bytes(self) -> int:
+        return sum(len(t.encode()) for t in self.heldout_texts)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able summary (for meta files and tables)."""
+        return {
+            "source_dir": self.source_dir,
+            "train_files": len(self.train_files),
+            "heldout_files": len(self.heldout_files),
+            "train_bytes": self.train_bytes,
+            "heldout_bytes": self.heldout_bytes,
+        }
+
+
+def stdlib_dir() -> Path:
+    """The running interpreter's standard library folder."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def build_corpus(max_bytes: int, heldout_fraction: float, source_dir: str | Path | None = None) -> Corpus:
+    """Collect up to ``max_bytes`` of ``.py`` text from the standard library, split by file.
+
+    Files are ordered by a hash of their relative path, which is deterministic and mixes packages (an
+    alphabetical cut would keep only modules starting with a-c). The first files in that order form the
+    held-out split (about ``heldout_fraction`` of the bytes), the following ones the training split.
+    """
+    if not 0 < heldout_fraction < 0.5:
+        raise ValueError(f"heldout_fraction must be in (0, 0.5), got {heldout_fraction}")
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    root = Path(source_dir) if source_dir is not None else stdlib_dir()
+    if not root.is_dir():
+        raise FileNotFoundError(f"corpus source folder does not exist: {root}")
+    files: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Prune in place so os.walk never descends into site-packages (often larger than the stdlib).
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    files.sort(key=lambda p: hashlib.sha1(p.relative_to(root).as_posix().encode()).hexdigest())
+    heldout_budget = int(max_bytes * heldout_fraction)
+    train_t: list[str] = []
+    held_t: list[str] = []
+    train_f: list[str] = []
+    held_f: list[str] = []
+    used = 0
+    for p in files:
+        if used >= max_bytes:
+            break
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # a few test fixtures are deliberately not UTF-8
+        text = text[: max_bytes - used] if len(text.encode()) > max_bytes - used else text
+        if not text.strip():
+            continue
+        rel = p.relative_to(root).as_posix()
+        if sum(len(t.encode()) for t in held_t) < heldout_budget:
+            held_t.append(text)
+            held_f.append(rel)
+        else:
+            train_t.append(text)
+            train_f.append(rel)
+        used += len(text.encode())
+    if not train_t or not held_t:
+        raise ValueError(f"corpus from {root}: too little text for a train and a held-out split ({used} bytes)")
+    return Corpus(train_t, held_t, train_f, held_f, str(root))
+
+
+def train_tokenizer(corpus: Corpus, vocab_size: int):
+    """Train a byte-level BPE tokenizer (BOS/EOS/PAD specials) on the training split.
+
+    Returns a ``transformers.PreTrainedTokenizerFast``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 260:
+        raise ValueError(f"vocab_size {vocab_size} is below 256 bytes + special tokens")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus.train_texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=1 << 20
+    )
+
+
+def make_config(spec: EmbeddedTarget, tokenizer: Any):
+    """A plain DeepseekV3Config for ``spec`` (router with one group, no rope scaling, float32)."""
+    from transformers import DeepseekV3Config
+
+    vocab = len(tokenizer)
+    if vocab > spec.vocab_size:
+        raise ValueError(f"tokenizer has {vocab} tokens, more than spec.vocab_size {spec.vocab_size}")
+    cfg = DeepseekV3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_attention_heads,
+        n_shared_experts=spec.n_shared_experts,
+        n_routed_experts=spec.n_routed_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        first_k_dense_replace=spec.first_k_dense_replace,
+        # One expert group: valid for both transformers' and vLLM's grouped top-k router.
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        q_lora_rank=spec.q_lora_rank,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+        qk_nope_head_dim=spec.qk_nope_head_dim,
+        v_head_dim=spec.v_head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        # transformers 5 keeps rope settings in rope_parameters; plain default RoPE, no scaling.
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_interleave=True,
+        # No multi-token-prediction layer: the checkpoint holds exactly num_hidden_layers layers.
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        initializer_range=0.02,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    _set_dtype(cfg, torch.float32)
+    return cfg
+
+
+def _set_dtype(cfg: Any, dtype: torch.dtype) -> None:
+    # transformers 5 writes it to config.json as "dtype", which vLLM 0.26 reads.
+    cfg.dtype = dtype
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameters (all of them, not only the active ones)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def active_parameters(config: Any) -> int:
+    """Rough number of parameters used per token (dense layers, attention, shared + top-k experts)."""
+    h, L = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    q = h * config.q_lora_rank + config.q_lora_rank * heads * qk if config.q_lora_rank else h * heads * qk
+    kv = h * (config.kv_lora_rank + config.qk_rope_head_dim) + config.kv_lora_rank * heads * (
+        config.qk_nope_head_dim + config.v_head_dim
+    )
+    attn = q + kv + heads * config.v_head_dim * h
+    dense = 3 * h * config.intermediate_size
+    moe = 3 * h * config.moe_intermediate_size * (config.num_experts_per_tok + config.n_shared_experts)
+    k = config.first_k_dense_replace
+    return L * attn + k * dense + (L - k) * moe + 2 * config.vocab_size * h
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
+    """One token stream: each text followed by EOS (so the model learns where files end)."""
+    ids: list[int] = []
+    for enc in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def unigram_entropy(tokens: torch.Tensor, vocab_size: int) -> float:
+    """Entropy (nats) of the token frequency distribution: the loss of a model that ignores context."""
+    counts = torch.bincount(tokens, minlength=vocab_size).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+@dataclass
+class TargetTrainResult:
+    """What :func:`train_target` measured (and the trained model)."""
+
+    losses: list[float]
+    heldout_loss: float
+    heldout_ppl: float
+    num_params: int
+    active_params: int
+    seconds: float
+    steps: int
+    tokens_seen: int
+    train_tokens: int
+    heldout_tokens: int
+    unigram_entropy: float
+    resumed_from_step: int = 0
+    model: nn.Module | None = field(default=None, repr=False)
+
+
+def _lr_at(step: int, steps: int, lr: float) -> float:
+    # Short linear warmup then cosine to 10%: stable for a few hundred steps from scratch.
+    warm = max(1, min(20, steps // 10))
+    if step < warm:
+        return lr * (step + 1) / warm
+    t = (step - warm) / max(1, steps - warm)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _batch(stream: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
+    # Batch k depends only on (seed, k): a resumed run sees exactly the batches of an uninterrupted one.
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=g)
+    return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module, stream: torch.Tensor, seq_len: int, max_windows: int = 64, batch_size: int = 8
+) -> float:
+    """Mean next-token cross-entropy over non-overlapping windows of a token stream."""
+    device = next(model.parameters()).device
+    n = min(max_windows, (len(stream) - 1) // seq_len)
+    if n <= 0:
+        raise ValueError(f"held-out stream of {len(stream)} tokens is shorter than seq_len {seq_len}")
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, n, batch_size):
+        rows = [stream[j * seq_len : j * seq_len + seq_len + 1] for j in range(i, min(n, i + batch_size))]
+        x = torch.stack(rows).to(device)
+        logits = model(input_ids=x[:, :-1], use_cache=False).logits.float()
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+        total += float(loss)
+        count += x[:, 1:].numel()
+    model.train(was_training)
+    return total / count
+
+
+def build_model(config: Any, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """A freshly initialised DeepseekV3ForCausalLM (deterministic under ``seed``)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config)
+    return model.to(device=device, dtype=torch.float32)
+
+
+def train_target(
+    config: Any,
+    tokenizer: Any,
+    corpus: Corpus,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    lr: float,
+    seed: int,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 100,
+    stop_after: int | None = None,
+) -> TargetTrainResult:
+    """Train a target from scratch for ``steps`` AdamW steps on random windows of the training split.
+
+    With ``checkpoint_dir``, the model/optimizer state is saved every ``checkpoint_every`` steps and a
+    later call resumes from it (batches depend only on seed and step, so the result matches an
+    uninterrupted run). ``stop_after`` ends the run early after that many total steps (to test resume).
+    """
+    from tqdm.auto import tqdm
+
+    if steps < 1 or batch_size < 1 or seq_len < 2:
+        raise ValueError(f"steps, batch_size and seq_len must be positive (got {steps}, {batch_size}, {seq_len})")
+    t0 = time.perf_counter()
+    train_stream = encode_texts(tokenizer, corpus.train_texts)
+    held_stream = encode_texts(tokenizer, corpus.heldout_texts)
+    if len(train_stream) <= seq_len + 1:
+        raise ValueError(f"training split has {len(train_stream)} tokens, fewer than seq_len {seq_len}")
+    model = build_model(config, seed, device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    losses: list[float] = []
+    start = 0
+    ckpt = Path(checkpoint_dir) / "train_state.pt" if checkpoint_dir is not None else None
+    if ckpt is not None and ckpt.is_file():
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        losses, start = list(state["losses"]), int(state["step"])
+    end = steps if stop_after is None else min(steps, stop_after)
+    bar = tqdm(range(start, end), desc="target training", disable=not progress, initial=start, total=steps)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, steps, lr)
+        x = _batch(train_stream, step, batch_size, seq_len, seed).to(device)
+        logits = model(input_ids=x[:, :-1], use_cache=False).logits
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        done = step + 1
+        if ckpt is not None and (done % checkpoint_every == 0 or done == end):
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "losses": losses, "step": done}, tmp)
+            tmp.replace(ckpt)
+    bar.close()
+    model.eval()
+    held = evaluate_loss(model, held_stream, seq_len)
+    return TargetTrainResult(
+        losses=losses,
+        heldout_loss=held,
+        heldout_ppl=math.exp(held),
+        num_params=count_parameters(model),
+        active_params=active_parameters(config),
+        seconds=time.perf_counter() - t0,
+        steps=len(losses),
+        tokens_seen=len(losses) * batch_size * seq_len,
+        train_tokens=len(train_stream),
+        heldout_tokens=len(held_stream),
+        unigram_entropy=unigram_entropy(train_stream, config.vocab_size),
+        resumed_from_step=start,
+        model=model,
+    )
+
+
+def save_target(model: nn.Module, tokenizer: Any, path: str | Path) -> Path:
+    """Save weights (safetensors), config and tokenizer files into ``path`` for transformers and vLLM."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _set_dtype(model.config, next(model.parameters()).dtype)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto`` -> float32 on CPU (bf16 matmuls are slow there), bfloat16 on GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype {dtype!r}: expected auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def load_target(
+    path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto", trust_remote_code: bool = False
+) -> tuple[nn.Module, Any]:
+    """Load a saved target (embedded or a real checkpoint) and its tokenizer, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"target folder does not exist: {path} (run 00_target first?)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target folder {path} has no config.json: not a saved model")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code)
+    model = model.to(dev).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return model, tokenizer
+
+
+def tiny_spec(**overrides: Any) -> Any:
+    """An EmbeddedTarget a few hundred times smaller than the default (tests, smoke runs)."""
+    from eagle3lab.params import EmbeddedTarget
+
+    base: dict[str, Any] = dict(
+        vocab_size=320, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, intermediate_size=64,
+        moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, max_position_embeddings=256, corpus_max_bytes=60_000, seq_len=32,
+        batch_size=4, train_steps=4, learning_rate=3e-3,
+    )  # fmt: skip
+    base.update(overrides)
+    return EmbeddedTarget(**base)
+
+
+def build_embedded_target(
+    spec: Any, path: str | Path | None, seed: int = 0, device: str = "cpu", progress: bool = False
+) -> tuple[nn.Module, Any, TargetTrainResult, Corpus]:
+    """Corpus -> tokenizer -> config -> training -> save (when ``path`` is given), in one call."""
+    corpus = build_corpus(spec.corpus_max_bytes, spec.heldout_fraction)
+    tokenizer = train_tokenizer(corpus, spec.vocab_size)
+    config = make_config(spec, tokenizer)
+    result = train_target(
+        config, tokenizer, corpus, spec.train_steps, spec.batch_size, spec.seq_len, spec.learning_rate, seed,
+        device=device, progress=progress,
+    )  # fmt: skip
+    model = result.model
+    if path is not None:
+        save_target(model, tokenizer, path)
+    return model, tokenizer, result, corpus

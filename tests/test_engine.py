@@ -1,0 +1,79 @@
+"""The reference engine: deterministic greedy generation, EOS handling, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from eagle3lab import engine as E
+from eagle3lab import target as T
+
+
+@pytest.fixture(scope="module")
+def eng(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    T.build_embedded_target(T.tiny_spec(train_steps=6), path, seed=0)
+    return E.make_engine("reference", path, device="cpu")
+
+
+def _greedy_by_recomputation(model, prompt, n, eos):
+    # Full recomputation without any cache: what KV-cached generation must equal.
+    seq, out = list(prompt), []
+    with torch.no_grad():
+        while len(out) < n:
+            tok = int(model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].argmax())
+            out.append(tok)
+            seq.append(tok)
+            if tok == eos:
+                break
+    return out
+
+
+def test_engine_protocol(eng):
+    assert isinstance(eng, E.Engine)
+
+
+def test_greedy_deterministic_and_exact(eng):
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44], [100, 7, 9, 11, 12]]
+    a = eng.generate(prompts, 12)
+    b = eng.generate(prompts, 12)
+    assert a == b and len(a) == 3
+    for p, out in zip(prompts, a, strict=True):
+        assert 1 <= len(out) <= 12
+        assert out == _greedy_by_recomputation(eng.model, p, 12, eng.eos_token_id)
+    # A prompt's output does not depend on its batch mates (equal lengths: no padding).
+    assert eng.generate(prompts[1:2], 12)[0] == a[1]
+
+
+def test_left_padded_batch_matches_single(eng):
+    prompts = [[5, 6, 7], [40, 41, 42, 43, 44, 45]]
+    batch = eng.generate(prompts, 8)
+    assert batch[0] == eng.generate([prompts[0]], 8)[0]
+    assert batch[1] == eng.generate([prompts[1]], 8)[0]
+
+
+def test_sampling_reproducible_under_seed(eng):
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    a = eng.generate(prompts, 10, temperature=1.0, top_p=0.9, seed=3)
+    b = eng.generate(prompts, 10, temperature=1.0, top_p=0.9, seed=3)
+    assert a == b
+
+
+def test_cut_at_eos():
+    assert E.cut_at_eos([4, 5, 1, 2, 2], 1) == [4, 5, 1]
+    assert E.cut_at_eos([4, 5], 1) == [4, 5]
+    assert E.cut_at_eos([4, 1], None) == [4, 1]
+
+
+def test_errors(eng, tmp_path):
+    with pytest.raises(ValueError, match="empty prompt set"):
+        eng.generate([], 4)
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([[1, 2], []], 4)
+    with pytest.raises(ValueError, match="not available"):
+        E.make_engine("vllm", tmp_path)
+    with pytest.raises(ValueError, match="expected"):
+        E.make_engine("sglang", tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        E.make_engine("reference", tmp_path / "none")
+    with pytest.raises(FileNotFoundError, match="drafter"):
+        eng.speculative_generate([[1, 2]], tmp_path / "no-drafter", 3, 4)

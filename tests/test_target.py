@@ -1,0 +1,122 @@
+"""The embedded target: corpus, tokenizer, config, training, save/load, vLLM config acceptance."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from eagle3lab import target as T
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return T.tiny_spec()
+
+
+@pytest.fixture(scope="module")
+def corpus(spec):
+    return T.build_corpus(spec.corpus_max_bytes, spec.heldout_fraction)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus, spec):
+    return T.train_tokenizer(corpus, spec.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, spec):
+    path = tmp_path_factory.mktemp("target")
+    model, tok, result, _ = T.build_embedded_target(spec, path, seed=0)
+    return path, model, tok, result
+
+
+def test_corpus_split_by_file_and_deterministic(corpus, spec):
+    again = T.build_corpus(spec.corpus_max_bytes, spec.heldout_fraction)
+    assert again.train_files == corpus.train_files and again.heldout_files == corpus.heldout_files
+    assert not set(corpus.train_files) & set(corpus.heldout_files)
+    assert all(f.endswith(".py") and "site-packages" not in f for f in corpus.train_files)
+    total = corpus.train_bytes + corpus.heldout_bytes
+    assert total <= spec.corpus_max_bytes and total > 0.9 * spec.corpus_max_bytes
+    with pytest.raises(ValueError, match="heldout_fraction"):
+        T.build_corpus(10_000, 0.7)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        T.build_corpus(10_000, 0.1, source_dir="/no/such/folder")
+
+
+def test_tokenizer_round_trip(tokenizer, spec):
+    text = "def f(x):\n    return x + 1  # café\n"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert len(tokenizer) == spec.vocab_size
+    assert len(ids) < len(text.encode())  # merges were learned
+    assert {tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token} == {T.BOS, T.EOS, T.PAD}
+
+
+def test_config_is_plain_deepseek_v3(tokenizer, spec):
+    cfg = T.make_config(spec, tokenizer)
+    assert cfg.model_type == "deepseek_v3" and cfg.architectures == ["DeepseekV3ForCausalLM"]
+    assert (cfg.n_group, cfg.topk_group) == (1, 1)
+    assert cfg.q_lora_rank == spec.q_lora_rank and cfg.kv_lora_rank == spec.kv_lora_rank
+    assert cfg.eos_token_id == tokenizer.eos_token_id
+
+
+def test_training_reduces_loss_and_is_deterministic(tokenizer, corpus, spec):
+    cfg = T.make_config(spec, tokenizer)
+    kw = dict(steps=8, batch_size=4, seq_len=32, lr=3e-3, seed=1, progress=False)
+    r1 = T.train_target(cfg, tokenizer, corpus, **kw)
+    r2 = T.train_target(cfg, tokenizer, corpus, **kw)
+    assert r1.losses == r2.losses and r1.heldout_loss == r2.heldout_loss
+    assert sum(r1.losses[-2:]) / 2 < r1.losses[0] - 0.1
+    assert r1.num_params == sum(p.numel() for p in r1.model.parameters()) and r1.active_params < r1.num_params
+    assert r1.heldout_ppl == pytest.approx(torch.tensor(r1.heldout_loss).exp().item(), rel=1e-6)
+    r3 = T.train_target(cfg, tokenizer, corpus, **{**kw, "seed": 2})
+    assert r3.losses != r1.losses
+
+
+def test_training_resume_matches(tokenizer, corpus, spec, tmp_path):
+    cfg = T.make_config(spec, tokenizer)
+    kw = dict(steps=6, batch_size=2, seq_len=16, lr=3e-3, seed=0, progress=False)
+    full = T.train_target(cfg, tokenizer, corpus, **kw)
+    part = T.train_target(cfg, tokenizer, corpus, checkpoint_dir=tmp_path, stop_after=3, **kw)
+    assert len(part.losses) == 3
+    resumed = T.train_target(cfg, tokenizer, corpus, checkpoint_dir=tmp_path, **kw)
+    assert resumed.resumed_from_step == 3
+    assert resumed.losses == pytest.approx(full.losses, abs=1e-6)
+
+
+def test_save_load_round_trip(saved):
+    path, model, tok, result = saved
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
+    assert cfg.get("rope_scaling") is None and cfg["dtype"] == "float32"
+    assert cfg.get("num_nextn_predict_layers", 0) == 0
+    assert (path / "tokenizer.json").is_file() and (path / "model.safetensors").is_file()
+    loaded, tok2 = T.load_target(path)
+    x = torch.randint(3, 300, (2, 10))
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=x).logits, loaded(input_ids=x).logits, atol=1e-6)
+    assert tok2("import os\n")["input_ids"] == tok("import os\n")["input_ids"]
+    assert tok2.eos_token_id == tok.eos_token_id
+    assert len(result.losses) == 4
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        T.load_target(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        T.load_target(tmp_path)
+
+
+@pytest.mark.vllm
+def test_vllm_accepts_saved_config(saved):
+    pytest.importorskip("vllm")
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.transformers_utils.config import get_config
+
+    path = saved[0]
+    cfg = get_config(str(path), trust_remote_code=False)
+    assert cfg.model_type == "deepseek_v3" and cfg.architectures == ["DeepseekV3ForCausalLM"]
+    assert cfg.kv_lora_rank == json.loads((path / "config.json").read_text())["kv_lora_rank"]
+    cls = ModelRegistry._try_load_model_cls("DeepseekV3ForCausalLM")
+    assert cls is not None and cls.__name__ == "DeepseekV3ForCausalLM"
