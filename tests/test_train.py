@@ -143,3 +143,18 @@ def test_bad_inputs():
     other_ids.aux_layer_ids = [1, 3]
     with pytest.raises(ValueError, match="aux_layer_ids"):
         train_drafter(make_drafter(), other_ids, progress=False)
+
+
+def test_train_drafter_for_target_reads_target_folder(tmp_path: Path):
+    import json
+
+    from eagle3lab.train import train_drafter_for_target
+    from safetensors.torch import save_file
+
+    emb, head = torch.randn(V, H), torch.randn(V, H)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": V, "hidden_size": H, "intermediate_size": 48}))
+    save_file({"model.embed_tokens.weight": emb, "lm_head.weight": head}, str(tmp_path / "model.safetensors"))
+    d, r = train_drafter_for_target(tmp_path, make_data(4), 16, train_kw={"epochs": 1, "batch_size": 2, "progress": False})
+    assert r.steps == 2 and d.config.aux_layer_ids == [1, 2] and d.config.draft_vocab_size == 16
+    assert d.config.intermediate_size == 48 and d.config.shared_embeddings
+    assert torch.equal(d.embed_tokens.weight, emb)  # shared and frozen

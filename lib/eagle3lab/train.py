@@ -121,7 +121,8 @@ def token_counts_from_dataset(dataset: Any, vocab_size: int, response_only: bool
         raise ValueError("token_counts_from_dataset: the dataset is empty")
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for i in range(len(dataset)):
-        item = dataset[i]
+        # HiddenStateDataset.get can skip reading the aux states, which dominate the bytes.
+        item = dataset.get(i, ("input_ids", "loss_mask")) if hasattr(dataset, "get") else dataset[i]
         ids = item["input_ids"][item["loss_mask"].bool()] if response_only else item["input_ids"]
         if ids.numel() and int(ids.max()) >= vocab_size:
             raise ValueError(f"item {i}: token id {int(ids.max())} outside the vocabulary of {vocab_size}")
@@ -387,3 +388,36 @@ def accuracy_figure(result: TrainResult, smooth: int = 10) -> go.Figure:
         yaxis={"title": "top-1 accuracy", "range": [0, 1]},
     )
     return fig
+
+
+# ----------------------------------------------------------------------------------------------------
+# one call: target folder + hidden states -> trained drafter (used by the aux-layer sweep)
+
+
+def train_drafter_for_target(
+    target_path: str | Path,
+    dataset: Any,
+    draft_vocab_size: int,
+    drafter_kw: dict[str, Any] | None = None,
+    train_kw: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> tuple[Eagle3Drafter, TrainResult]:
+    """Build a drafter for the saved target at ``target_path`` (aux ids from ``dataset.aux_layer_ids``) and train it.
+
+    ``drafter_kw`` goes to :func:`eagle3lab.drafter.build_drafter` (hidden_size, intermediate_size, heads),
+    ``train_kw`` to :func:`train_drafter`. The steps are those of 04_train_drafter, in one function.
+    """
+    import json
+
+    from eagle3lab import drafter as D
+
+    cfg = json.loads((Path(target_path) / "config.json").read_text())
+    text_cfg = cfg.get("text_config") or cfg
+    aux_ids = list(getattr(dataset, "aux_layer_ids", None) or [])
+    if not aux_ids:
+        raise ValueError("dataset has no aux_layer_ids: cannot size the drafter's fc")
+    counts = token_counts_from_dataset(dataset, int(text_cfg["vocab_size"]))
+    embed, head = D.target_embedding_weights(target_path)
+    drafter = D.build_drafter(cfg, aux_ids, counts, draft_vocab_size, embed, head, seed=seed, **(drafter_kw or {}))
+    result = train_drafter(drafter, dataset, seed=seed, **(train_kw or {}))
+    return drafter, result
