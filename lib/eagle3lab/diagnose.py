@@ -301,6 +301,7 @@ class Level:
 
     @property
     def supports_eagle3(self) -> bool:
+        """vLLM's ``supports_eagle3`` verdict for this level's class."""
         return self.interface.supports_eagle3
 
 
@@ -597,6 +598,7 @@ class Gate:
     by_model_type: dict[str, bool] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
         return asdict(self)
 
 
@@ -692,12 +694,15 @@ def aux_id_problems(ids: list[int], num_layers: int | None) -> list[str]:
 
 @dataclass
 class AuxIds:
+    """The aux layer ids vLLM would use for a target, where they came from, and what is wrong with them."""
+
     ids: list[int] | None
     source: str  # "drafter config (top level)", "drafter config (eagle_config)", "default rule", "unknown"
     num_layers: int | None
     problems: list[str]
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
         return asdict(self)
 
 
@@ -740,6 +745,7 @@ class PlanStep:
     detail: str
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
         return asdict(self)
 
 
@@ -946,6 +952,8 @@ def format_diagnosis(d: Diagnosis) -> str:
 
 @dataclass
 class RegistryRow:
+    """One registered generative architecture: native EAGLE-3 support, and whether our patch applies."""
+
     architecture: str
     kind: str  # "text" or "multimodal"
     module: str
@@ -955,6 +963,7 @@ class RegistryRow:
     note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
         return asdict(self)
 
 

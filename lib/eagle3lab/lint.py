@@ -54,9 +54,11 @@ class LintReport:
 
     @property
     def codes(self) -> list[str]:
+        """The finding codes, in order."""
         return [f.code for f in self.findings]
 
     def add(self, severity: str, code: str, message: str) -> None:
+        """Append a finding (severity must be one of :data:`SEVERITIES`)."""
         if severity not in SEVERITIES:
             raise ValueError(f"unknown severity {severity!r}")
         self.findings.append(Finding(severity, code, message))
