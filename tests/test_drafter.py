@@ -195,5 +195,11 @@ def test_vllm_reads_saved_config(tmp_path: Path):
     assert cfg.num_aux_hidden_states == 2  # what vLLM's Eagle3 LlamaModel sizes fc with
     model, tok, spec = maybe_override_with_speculators(str(out), None, False)
     assert model == str(target) and spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 3
+    # The route vLLM takes to build the draft model's hf_config.
+    from vllm.transformers_utils.config import get_config
+
+    hf = get_config(str(out), trust_remote_code=False)
+    assert hf.architectures == ["Eagle3LlamaForCausalLM"] and list(hf.eagle_aux_hidden_state_layer_ids) == [2, 4]
+    assert hf.rope_parameters["rope_theta"] == 1000.0 and hf.num_hidden_layers == 1 and hf.head_dim == 8
     raw = json.loads((out / "config.json").read_text())
     assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 4]  # top level: DESIGN.md

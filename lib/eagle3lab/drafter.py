@@ -569,7 +569,7 @@ def speculators_config(
         "tie_word_embeddings": False,
         # vLLM's Eagle3 LlamaModel sizes fc from this (else from eagle_config, else assumes 3).
         "num_aux_hidden_states": cfg.num_aux,
-        "torch_dtype": dtype,
+        "dtype": dtype,  # transformers 5 name (4.x read torch_dtype; 5.x warns on it)
     }
     return {
         "architectures": ["Eagle3Speculator"],
