@@ -295,7 +295,7 @@ def train_drafter(
             )
         drafter.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
-        torch.set_rng_state(ck["rng"])
+        torch.set_rng_state(ck["rng"].cpu())  # map_location may have moved it to the GPU
         step = ck["step"]
         result = TrainResult(**ck["result"])
         result.resumed_from = step
