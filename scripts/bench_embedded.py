@@ -10,6 +10,7 @@ the figures and the run's headline metrics. Targets (issue 3): <= 15 min and < 8
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -27,10 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def tree_rss(proc: psutil.Process) -> int:
     total = 0
     for p in [proc, *proc.children(recursive=True)]:
-        try:
+        with contextlib.suppress(psutil.Error):
             total += p.memory_info().rss
-        except psutil.Error:
-            pass
     return total
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from eagle3lab.acceptance import (
     SpecDecodeStats,
     acceptance_length_figure,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from eagle3lab.patch import run_layers_collecting_aux, validate_aux_ids
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from eagle3lab.drafter import (
     DrafterConfig,
     Eagle3Drafter,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from eagle3lab import engine as E
 from eagle3lab import target as T
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from eagle3lab import hidden_states as H
 from eagle3lab import target as T
 

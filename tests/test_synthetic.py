@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from eagle3lab import engine as E
 from eagle3lab import synthetic as S
 from eagle3lab import target as T

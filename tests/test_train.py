@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from eagle3lab.drafter import DrafterConfig, Eagle3Drafter, build_draft_vocab
 from eagle3lab.train import accuracy_figure, collate, loss_figure, train_drafter, ttt_loss
 
@@ -148,8 +149,9 @@ def test_bad_inputs():
 def test_train_drafter_for_target_reads_target_folder(tmp_path: Path):
     import json
 
-    from eagle3lab.train import train_drafter_for_target
     from safetensors.torch import save_file
+
+    from eagle3lab.train import train_drafter_for_target
 
     emb, head = torch.randn(V, H), torch.randn(V, H)
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": V, "hidden_size": H, "intermediate_size": 48}))

@@ -62,9 +62,10 @@ def _import_vllm() -> Any:
     keeps ``eagle3lab diagnose --json`` output parseable. A no-op when vLLM was imported before.
     """
     with contextlib.redirect_stdout(sys.stderr):
-        import vllm
         import vllm.model_executor.models.interfaces  # noqa: F401
         import vllm.model_executor.models.registry  # noqa: F401
+
+        import vllm
     return vllm
 
 

@@ -199,7 +199,7 @@ def run(
             kernel = _kernel_env(Path(tmp))
             os.environ["EAGLE3LAB_ROOT"] = str(root)
             failed = False
-            bar = tqdm(list(zip(steps, result.steps)), desc="workbook", unit="notebook", disable=not progress)
+            bar = tqdm(list(zip(steps, result.steps, strict=False)), desc="workbook", unit="notebook", disable=not progress)
             for nb, step in bar:
                 if failed:
                     step.status = "skipped"
