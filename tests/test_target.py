@@ -64,7 +64,7 @@ def test_config_is_plain_deepseek_v3(tokenizer, spec):
 
 def test_training_reduces_loss_and_is_deterministic(tokenizer, corpus, spec):
     cfg = T.make_config(spec, tokenizer)
-    kw = dict(steps=8, batch_size=4, seq_len=32, lr=3e-3, seed=1, progress=False)
+    kw = dict(steps=6, batch_size=4, seq_len=16, lr=3e-3, seed=1, progress=False)
     r1 = T.train_target(cfg, tokenizer, corpus, **kw)
     r2 = T.train_target(cfg, tokenizer, corpus, **kw)
     assert r1.losses == r2.losses and r1.heldout_loss == r2.heldout_loss
