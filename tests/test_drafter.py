@@ -22,14 +22,7 @@ from eagle3lab.drafter import (
     token_counts_from_sequences,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # These models are tiny: one thread avoids oversubscription on a shared 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_cfg(**kw) -> DrafterConfig:

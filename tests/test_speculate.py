@@ -10,14 +10,7 @@ transformers = pytest.importorskip("transformers")
 from eagle3lab.drafter import build_drafter  # noqa: E402
 from eagle3lab.speculate import greedy_generate, speculative_generate  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # These models are tiny: one thread avoids oversubscription on a shared 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_target(seed: int = 0):

@@ -13,13 +13,7 @@ from eagle3lab.train import accuracy_figure, collate, loss_figure, train_drafter
 V, H, NAUX = 40, 32, 2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # These models are tiny: one thread avoids oversubscription on a shared 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class ListDataset(torch.utils.data.Dataset):

@@ -118,7 +118,7 @@ def _kernel_env(tmp: Path) -> str:
     kdir = tmp / "kernels" / name
     kdir.mkdir(parents=True)
     spec = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}", "--IPKernelApp.log_level=ERROR"],
         "display_name": f"eagle3lab ({sys.executable})",
         "language": "python",
     }
