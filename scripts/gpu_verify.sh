@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# STATUS (2026-11-29): written for the GPU engine issue, NOT YET RUN on a device (budget ran out).
 # GPU verification on the lent H200 (see ../shared/device/README.md; vLLM 0.26.0 staged in /tmp/site).
 # Carried: .device-wheels/ (our notebook stack as py3.12 wheels). Writes everything under $OUT.
 #   1. installs eagle3lab (with its vllm.general_plugins entry point) and the notebook stack into /tmp/site2

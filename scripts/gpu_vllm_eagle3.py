@@ -1,5 +1,7 @@
 """GPU verification with real vLLM: our target and drafter under EAGLE-3, and the patch in a real engine.
 
+STATUS (2026-11-29): written for the GPU engine issue, NOT YET RUN on a device.
+
     python scripts/gpu_vllm_eagle3.py RUN_DIR OUT_DIR [--prompts 32] [--max-tokens 64] [--k 3]
 
 RUN_DIR is a finished workbook run (its artifacts/target, artifacts/drafter, artifacts/data). Each mode
