@@ -85,11 +85,21 @@ def external_scripts(html_text: str) -> list[str]:
     return re.findall(r"<script[^>]*\bsrc=[\"'](https?:[^\"']+)[\"']", html_text, flags=re.I)
 
 
+def _rounded(v: Any) -> Any:
+    if isinstance(v, float):
+        return float(f"{v:.4g}")
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    return v
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, (list, dict)):
-        s = json.dumps(v)
+        s = json.dumps(_rounded(v))
         return s if len(s) <= 80 else s[:77] + "..."
     return str(v)
 
