@@ -12,8 +12,9 @@ and from a vLLM engine can sit in one table:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
@@ -232,3 +233,51 @@ def layer_sweep_figure(results: Mapping[str, SpecDecodeStats]) -> go.Figure:
         yaxis={"title": "accepted / drafts", "range": [0, 1.05]},
     )
     return fig
+
+
+def sweep_aux_layers(
+    engine: Any,
+    samples_path: str | Path,
+    target_path: str | Path,
+    layer_choices: Sequence[Sequence[int]],
+    prompts: list[list[int]],
+    out_dir: str | Path,
+    num_speculative_tokens: int,
+    max_new_tokens: int,
+    draft_vocab_size: int,
+    drafter_kw: dict[str, Any] | None = None,
+    train_kw: dict[str, Any] | None = None,
+    shard_sequences: int = 64,
+    hidden_dtype: str = "float32",
+    seed: int = 0,
+) -> dict[str, SpecDecodeStats]:
+    """Acceptance per choice of target layers: for each choice, extract its aux states from the same
+    samples, train a drafter on them with the same settings, and measure it on the same prompts.
+
+    ``engine`` must be the reference engine (the extraction runs its transformers model in-process).
+    Everything lands under ``out_dir`` (``hidden-<ids>``, ``ckpt-<ids>``, ``drafter-<ids>``), so an
+    interrupted sweep resumes where it stopped. Returns ``{"[ids]": stats}`` in the order given.
+    """
+    from eagle3lab.drafter import save_drafter
+    from eagle3lab.hidden_states import HiddenStateDataset, extract_hidden_states
+    from eagle3lab.train import train_drafter_for_target
+
+    if not hasattr(engine, "model"):
+        raise ValueError("a layer sweep needs the reference engine: it extracts hidden states in-process")
+    if not layer_choices:
+        raise ValueError("layer_choices is empty: nothing to compare")
+    out = Path(out_dir)
+    results: dict[str, SpecDecodeStats] = {}
+    for choice in layer_choices:
+        ids = sorted(int(i) for i in choice)
+        tag = "-".join(str(i) for i in ids)
+        hdir = out / f"hidden-{tag}"
+        extract_hidden_states(engine.model, samples_path, ids, hdir, shard_sequences=shard_sequences,
+                              dtype=hidden_dtype, target=target_path, device=engine.device)
+        drafter, _ = train_drafter_for_target(
+            target_path, HiddenStateDataset(hdir), draft_vocab_size, drafter_kw=drafter_kw,
+            train_kw={**(train_kw or {}), "checkpoint_dir": out / f"ckpt-{tag}"}, seed=seed,
+        )
+        dpath = save_drafter(drafter, out / f"drafter-{tag}", target_path, num_speculative_tokens)
+        results[str(ids)] = engine.speculative_generate(prompts, dpath, num_speculative_tokens, max_new_tokens).stats
+    return results
