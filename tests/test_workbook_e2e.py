@@ -31,6 +31,9 @@ def test_smoke_workbook_end_to_end(tmp_path):
     assert m["acceptance.outputs_match_greedy"] is True
     assert 1.0 <= m["acceptance.mean_acceptance_length"] <= 4.0
     assert len(m["acceptance.per_position_rate"]) == 3
+    # the per-layer comparison: the 04 drafter and one more choice of target layers
+    assert list(m["acceptance.layer_sweep"]) == ["[1, 2, 4] (04)", "[2, 3, 4]"]
+    assert all(s["num_drafts"] > 0 for s in m["acceptance.layer_sweep"].values())
 
     for step in summary["steps"]:
         html = (res.run_dir / step["html"]).read_text()
