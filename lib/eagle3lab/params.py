@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from eagle3lab.diagnose import default_aux_layer_ids
+
 
 class ParamsError(ValueError):
     """A parameter file or override that cannot be used; ``str()`` is the one-line user message."""
@@ -210,7 +212,7 @@ class Params(_Strict):
             if ids is not None:
                 _check_aux_ids(field, ids, num_layers)
         if self.drafter.aux_layer_ids is None and num_layers is not None:
-            default = [2, num_layers // 2, num_layers - 3]
+            default = default_aux_layer_ids(num_layers)
             if len(set(default)) < 3 or min(default) < 1:
                 raise _FieldError(
                     "drafter.aux_layer_ids",
@@ -234,7 +236,7 @@ class Params(_Strict):
         n = self.target_num_layers()
         if n is None:
             raise ParamsError("params", "drafter.aux_layer_ids", "cannot derive defaults: unknown layer count")
-        return [2, n // 2, n - 3]
+        return default_aux_layer_ids(n)
 
 
 class _FieldError(ValueError):

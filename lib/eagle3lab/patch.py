@@ -281,8 +281,9 @@ def _causal_lm_set_aux(self: Any, layers: tuple[int, ...]) -> None:
 
 def _causal_lm_default_aux(self: Any) -> tuple[int, ...]:
     """vLLM's default rule (2, L//2, L-3), L read from the config."""
-    n = int(self.config.num_hidden_layers)
-    return (2, n // 2, n - 3)
+    from eagle3lab.diagnose import default_aux_layer_ids
+
+    return tuple(default_aux_layer_ids(int(self.config.num_hidden_layers)))
 
 
 def _wrapper_set_aux(self: Any, layers: tuple[int, ...]) -> None:
