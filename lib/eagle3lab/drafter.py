@@ -417,10 +417,14 @@ def make_drafter_config(
     draft_vocab_size: int,
     hidden_size: int | None = None,
     intermediate_size: int | None = None,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 4,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
 ) -> DrafterConfig:
-    """A drafter config sized from a target's HF config (an object or a dict)."""
+    """A drafter config sized from a target's HF config (an object or a dict).
+
+    Heads default to :func:`default_drafter_heads`: vLLM's attention backends take the head_dim of
+    published drafters (128) and may route unusual ones (e.g. 512) to kernels that are not installed.
+    """
     get = (lambda k, d=None: target_config.get(k, d)) if isinstance(target_config, dict) else (
         lambda k, d=None: getattr(target_config, k, d)
     )
@@ -435,6 +439,10 @@ def make_drafter_config(
     theta = float((rope.get("rope_theta") if isinstance(rope, dict) else None) or get("rope_theta") or 10000.0)
     if intermediate_size is None:
         intermediate_size = int(get("intermediate_size")) if h == th and get("intermediate_size") else 4 * h
+    if num_attention_heads is None:
+        num_attention_heads = default_drafter_heads(h, get("num_attention_heads"))
+    if num_key_value_heads is None:
+        num_key_value_heads = num_attention_heads
     return DrafterConfig(
         vocab_size=int(get("vocab_size")),
         draft_vocab_size=draft_vocab_size,
@@ -449,6 +457,23 @@ def make_drafter_config(
         max_position_embeddings=int(get("max_position_embeddings") or 2048),
         shared_embeddings=(h == th),
     )
+
+
+def default_drafter_heads(hidden_size: int, target_heads: int | None = None) -> int:
+    """Heads for a drafter of width ``hidden_size``, as published drafters size them.
+
+    The target's own head count when it gives a head_dim of 64-256 (a multiple of 8: what vLLM's
+    FlashAttention paths take; SpecForge's Kimi-K2.5 drafter keeps Kimi's 64 heads at 7168, head_dim 112),
+    else head_dim 128 where it divides, else one head. A drafter with 4 heads at width 2048 (head_dim 512)
+    was routed by vLLM 0.26 to a CuTe kernel that is not installed (seen on an H200, 2026-11-29).
+    """
+    if target_heads and hidden_size % int(target_heads) == 0:
+        hd = hidden_size // int(target_heads)
+        if 64 <= hd <= 256 and hd % 8 == 0:
+            return int(target_heads)
+    if hidden_size % 128 == 0:
+        return hidden_size // 128
+    return 1
 
 
 def init_from_target(
@@ -517,8 +542,8 @@ def build_drafter(
     lm_head_weight: torch.Tensor | None = None,
     hidden_size: int | None = None,
     intermediate_size: int | None = None,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 4,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
     seed: int = 0,
 ) -> Eagle3Drafter:
     """A fresh drafter for a target: draft vocab from token counts, embeddings/lm_head from the target."""

@@ -19,6 +19,9 @@ class SpeculativeResult:
 
     outputs: list[list[int]]
     stats: Any
+    # One SpecDecodeStats per prompt where the engine can attribute counters to a prompt (the reference
+    # decoder always; vLLM when prompts are run one at a time), else None.
+    per_prompt: list[Any] | None = None
 
 
 @runtime_checkable
@@ -42,8 +45,11 @@ class Engine(Protocol):
         drafter_path: str | Path,
         num_speculative_tokens: int,
         max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
     ) -> SpeculativeResult:
-        """Greedy speculative decoding with an EAGLE-3 drafter; outputs equal greedy ``generate``."""
+        """Speculative decoding with an EAGLE-3 drafter. Greedy (temperature 0) outputs equal greedy
+        ``generate``; above 0, drafts are verified by rejection sampling."""
         ...
 
 
@@ -127,8 +133,12 @@ class ReferenceEngine:
         drafter_path: str | Path,
         num_speculative_tokens: int,
         max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
     ) -> SpeculativeResult:
-        """Run H4's reference chain decoder prompt by prompt and sum the acceptance counters."""
+        """Run the reference chain decoder prompt by prompt and sum the acceptance counters."""
+        if temperature != 0.0:
+            raise NotImplementedError("the reference decoder verifies greedily only (temperature 0)")
         from eagle3lab.acceptance import SpecDecodeStats
         from eagle3lab.drafter import load_drafter
         from eagle3lab.speculate import speculative_generate
@@ -139,13 +149,15 @@ class ReferenceEngine:
         drafter = load_drafter(drafter_path, self.device)
         outputs: list[list[int]] = []
         total = SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens)
+        per_prompt = []
         for p in prompt_ids:
             toks, stats = speculative_generate(
                 self.model, drafter, list(p), num_speculative_tokens, max_new_tokens, self.eos_token_id
             )
             outputs.append(toks)
+            per_prompt.append(stats)
             total = total + stats
-        return SpeculativeResult(outputs=outputs, stats=total)
+        return SpeculativeResult(outputs=outputs, stats=total, per_prompt=per_prompt)
 
 
 def make_engine(kind: str, target_path: str | Path, device: str = "auto", dtype: str = "auto", **kw: Any) -> Engine:

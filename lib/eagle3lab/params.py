@@ -44,10 +44,14 @@ class EmbeddedTarget(_Strict):
     num_hidden_layers: int = Field(6, ge=2)
     num_attention_heads: int = Field(4, ge=1)
     q_lora_rank: int | None = Field(64, ge=1)
-    kv_lora_rank: int = Field(32, ge=1)
-    qk_rope_head_dim: int = Field(16, ge=2)
-    qk_nope_head_dim: int = Field(32, ge=1)
-    v_head_dim: int = Field(32, ge=1)
+    # MLA dims that vLLM's kernels take: kv_lora_rank + qk_rope_head_dim = 576 (FlashMLA, CPU MLA) and
+    # (qk_nope, qk_rope, v) = (64, 64, 128), one of the MLA prefill shapes FlashAttention accepts on Hopper.
+    kv_lora_rank: int = Field(512, ge=1)
+    qk_rope_head_dim: int = Field(64, ge=2)
+    qk_nope_head_dim: int = Field(64, ge=1)
+    v_head_dim: int = Field(128, ge=1)
+    # Wall-clock cap on target training (None: train_steps only). Steps done are recorded.
+    train_time_budget_s: float | None = Field(None, gt=0)
     intermediate_size: int = Field(384, ge=1)
     moe_intermediate_size: int = Field(96, ge=1)
     n_routed_experts: int = Field(8, ge=1)
@@ -109,6 +113,9 @@ class EngineParams(_Strict):
     """The engine that generates data and runs speculative decoding."""
 
     kind: Literal["reference", "vllm"] = "reference"
+    # vllm only: "offline" runs vllm.LLM in the notebook's process tree; "served" starts `vllm serve` on
+    # 127.0.0.1 and talks to it over its OpenAI-compatible HTTP API.
+    mode: Literal["offline", "served"] = "offline"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
@@ -140,8 +147,9 @@ class DrafterParams(_Strict):
     aux_layer_ids: list[int] | None = None
     hidden_size: int | None = Field(None, ge=16)  # None: the target's width (then embeddings are shared)
     intermediate_size: int | None = Field(None, ge=16)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(4, ge=1)
+    # None: head_dim 128 where the width allows (as published drafters), see drafter.default_drafter_heads.
+    num_attention_heads: int | None = Field(None, ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1)
     # Embedded profile, k=3 (H200 sweep, 2026-11-29): 512 beat 1024 (tau 2.49 vs 2.38, 4 epochs) and 256 (2.65 vs 2.53).
     draft_vocab_size: int = Field(512, ge=2)
 

@@ -162,6 +162,11 @@ def make_config(spec: EmbeddedTarget, tokenizer: Any):
         # One expert group: valid for both transformers' and vLLM's grouped top-k router.
         n_group=1,
         topk_group=1,
+        # What transformers' DeepseekV3 router computes (sigmoid scores + e_score_correction_bias), stated
+        # the way DeepSeek-V3 and Kimi-K2.5 configs do: vLLM creates the bias parameter only for noaux_tc,
+        # and otherwise fails to load the checkpoint (KeyError on mlp.gate.e_score_correction_bias).
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
         norm_topk_prob=True,
         routed_scaling_factor=1.0,
         q_lora_rank=spec.q_lora_rank,
@@ -310,12 +315,15 @@ def train_target(
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 100,
     stop_after: int | None = None,
+    time_budget_s: float | None = None,
 ) -> TargetTrainResult:
     """Train a target from scratch for ``steps`` AdamW steps on random windows of the training split.
 
     With ``checkpoint_dir``, the model/optimizer state is saved every ``checkpoint_every`` steps and a
     later call resumes from it (batches depend only on seed and step, so the result matches an
     uninterrupted run). ``stop_after`` ends the run early after that many total steps (to test resume).
+    ``time_budget_s`` stops after the step that crosses that wall time (the result says how many steps
+    ran). On CUDA the forward runs under bf16 autocast (fp32 master weights): the GPU profile's budget.
     """
     from tqdm.auto import tqdm
 
@@ -343,7 +351,8 @@ def train_target(
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, steps, lr)
         x = _batch(train_stream, step, batch_size, seq_len, seed).to(device)
-        logits = model(input_ids=x[:, :-1], use_cache=False).logits
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"):
+            logits = model(input_ids=x[:, :-1], use_cache=False).logits
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -357,6 +366,8 @@ def train_target(
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "losses": losses, "step": done}, tmp)
             tmp.replace(ckpt)
+        if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+            break
     bar.close()
     model.eval()
     held = evaluate_loss(model, held_stream, seq_len)
@@ -452,7 +463,7 @@ def build_embedded_target(
     config = make_config(spec, tokenizer)
     result = train_target(
         config, tokenizer, corpus, spec.train_steps, spec.batch_size, spec.seq_len, spec.learning_rate, seed,
-        device=device, progress=progress,
+        device=device, progress=progress, time_budget_s=getattr(spec, "train_time_budget_s", None),
     )  # fmt: skip
     model = result.model
     if path is not None:
