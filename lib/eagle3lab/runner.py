@@ -1,8 +1,9 @@
 """The batch runner: execute the workbook's notebooks in order with papermill, one immutable run folder.
 
-``outputs/<timestamp>-<profile>/`` receives each executed notebook and its HTML export, the resolved
-``params.yaml``, ``metrics.json`` (what the notebooks recorded through ``Workbook.record``),
-``run.log`` and ``index.html``. A failing notebook still gets its executed copy and HTML (the failing
+``outputs/<timestamp>-<profile>/`` receives each executed notebook and its HTML export (with one shared
+``plotly.min.js``), the resolved ``params.yaml``, ``metrics.json`` (what the notebooks recorded through
+``Workbook.record``), ``run.log`` (one line per step and per real warning; vLLM's own log is in
+``logs/vllm.log``) and ``index.html`` (the overview, see :mod:`eagle3lab.overview`). A failing notebook still gets its executed copy and HTML (the failing
 cell visible); later notebooks are skipped and the run reports failure.
 """
 
@@ -22,38 +23,12 @@ from typing import Any
 
 import yaml
 
+from eagle3lab import overview, report
 from eagle3lab import params as params_mod
-from eagle3lab import report
+from eagle3lab.progress import BATCH_ENV
 from eagle3lab.workbook import read_metrics, repo_root
 
 log = logging.getLogger("eagle3lab.runner")
-
-# Figures shown on the index page when a notebook recorded them.
-HEADLINE_KEYS = (
-    "target.params",
-    "target.heldout_ppl",
-    "diagnose.vllm_version",
-    "diagnose.legacy_simulated",
-    "diagnose.target.architecture",
-    "diagnose.target.verdict",
-    "diagnose.KimiK25ForConditionalGeneration.verdict",
-    "diagnose.raise_site",
-    "patch.legacy_simulation",
-    "patch.verdict",
-    "patch.before.KimiK25ForConditionalGeneration.supports_eagle3",
-    "patch.after.KimiK25ForConditionalGeneration.supports_eagle3",
-    "data.num_samples",
-    "hidden.aux_layer_ids",
-    "hidden.tokens_per_s",
-    "hidden.bytes_per_token",
-    "train.final_loss",
-    "train.seconds",
-    "acceptance.k",
-    "acceptance.mean_acceptance_length",
-    "acceptance.per_position_rate",
-    "acceptance.outputs_match_greedy",
-)
-
 
 @dataclass
 class StepResult:
@@ -135,11 +110,35 @@ def _short_error(exc: BaseException) -> str:
     return f"{ename}: {evalue}{where}".strip()
 
 
-def _headline(metrics: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for m in metrics.values():
-        merged.update(m)
-    return {k: merged[k] for k in HEADLINE_KEYS if k in merged}
+# What a batch kernel needs in its environment: every progress bar off (ours through EAGLE3LAB_BATCH; tqdm's
+# default for bars that do not pass ``disable``; huggingface's), so no refresh reaches a page or run.log.
+BATCH_KERNEL_ENV = {BATCH_ENV: "1", "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def cell_warnings(notebook_path: Path) -> list[str]:
+    """The real warnings of an executed notebook: its cells' stderr text without progress-bar noise,
+    one line each (``cell [n]: text``), in order, without repeats."""
+    import nbformat
+
+    nb = nbformat.read(str(notebook_path), as_version=4)
+    seen: list[str] = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                text = " | ".join(report.drop_progress_noise(out.text).split("\n")).strip(" |")
+                line = f"cell [{cell.get('execution_count')}]: {text[:300]}"
+                if text and line not in seen:
+                    seen.append(line)
+    return seen
+
+
+def _vllm_log_summary(run_dir: Path) -> str | None:
+    path = run_dir / "logs" / "vllm.log"
+    if not path.is_file():
+        return None
+    lines = path.read_text(errors="replace").splitlines()
+    serious = sum(1 for ln in lines if " WARNING " in ln or " ERROR " in ln)
+    return f"vLLM log: logs/vllm.log ({len(lines)} lines, {serious} WARNING/ERROR)"
 
 
 def _write_summary(result: RunResult, p: params_mod.Params, info: dict[str, Any]) -> None:
@@ -152,7 +151,9 @@ def _write_summary(result: RunResult, p: params_mod.Params, info: dict[str, Any]
     }
     (result.run_dir / "metrics.json").write_text(json.dumps(summary, indent=2, sort_keys=False))
     title = f"eagle3lab run {result.run_dir.name}"
-    page = report.index_html(title, [asdict(s) for s in result.steps], _headline(metrics), info)
+    page = overview.index_html(title, [asdict(s) for s in result.steps], metrics, info)
+    if overview.FIGURE_MARK in page:
+        report.write_plotly_js(result.run_dir)
     (result.run_dir / "index.html").write_text(page, encoding="utf-8")
 
 
@@ -193,17 +194,20 @@ def run(
     result = RunResult(run_dir, [StepResult(nb.stem) for nb in steps])
 
     handler = logging.FileHandler(run_dir / "run.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    watched = [logging.getLogger(n) for n in ("eagle3lab", "papermill")]
-    for lg in watched:
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    # Our own lines at INFO; papermill's only when something goes wrong (its INFO lines repeat ours).
+    watched = {logging.getLogger("eagle3lab"): logging.INFO, logging.getLogger("papermill"): logging.WARNING}
+    old_levels = {lg: lg.level for lg in watched}
+    for lg, level in watched.items():
         lg.addHandler(handler)
-        lg.setLevel(logging.INFO)
-    log.info("run %s: profile %s, notebooks %s", run_dir, p.profile, [s.name for s in result.steps])
+        lg.setLevel(level)
+    log.info("run %s: profile %s, notebooks %s", run_dir, p.profile, ", ".join(s.name for s in result.steps))
     old_env = dict(os.environ)
     try:
         with tempfile.TemporaryDirectory(prefix="eagle3lab-kernel-") as tmp:
             kernel = _kernel_env(Path(tmp))
             os.environ["EAGLE3LAB_ROOT"] = str(root)
+            os.environ.update(BATCH_KERNEL_ENV)
             failed = False
             bar = tqdm(list(zip(steps, result.steps, strict=False)), desc="workbook", unit="notebook", disable=not progress)
             for nb, step in bar:
@@ -215,7 +219,6 @@ def run(
                 out_nb = run_dir / f"{step.name}.ipynb"
                 step.ipynb = out_nb.name
                 t0 = time.time()
-                log.info("%s: start", step.name)
                 try:
                     pm.execute_notebook(
                         str(nb),
@@ -223,7 +226,7 @@ def run(
                         parameters={"params": injected, "run_dir": str(run_dir)},
                         kernel_name=kernel,
                         cwd=str(root),
-                        log_output=True,
+                        log_output=False,  # cell output is in the notebook; run.log gets warnings below
                         progress_bar=progress,
                     )
                     step.status = "ok"
@@ -237,6 +240,8 @@ def run(
                 finally:
                     step.seconds = time.time() - t0
                     if out_nb.exists():
+                        for w in cell_warnings(out_nb):
+                            log.warning("%s: %s", step.name, w)
                         try:
                             report.export_html(out_nb, run_dir / f"{step.name}.html")
                             step.html = f"{step.name}.html"
@@ -245,6 +250,9 @@ def run(
                     _write_summary(result, p, info)
                 log.info("%s: %s in %.1f s", step.name, step.status, step.seconds)
     finally:
+        summary = _vllm_log_summary(run_dir)
+        if summary:
+            log.info(summary)
         for s in result.steps:
             if s.status == "pending":
                 s.status = "skipped"
@@ -252,7 +260,8 @@ def run(
         _write_summary(result, p, info)
         os.environ.clear()
         os.environ.update(old_env)
-        for lg in watched:
+        for lg, level in old_levels.items():
             lg.removeHandler(handler)
+            lg.setLevel(level)
         handler.close()
     return result
