@@ -462,15 +462,19 @@ def make_drafter_config(
 def default_drafter_heads(hidden_size: int, target_heads: int | None = None) -> int:
     """Heads for a drafter of width ``hidden_size``, as published drafters size them.
 
-    The target's own head count when it gives a head_dim of 64-256 (a multiple of 8: what vLLM's
-    FlashAttention paths take; SpecForge's Kimi-K2.5 drafter keeps Kimi's 64 heads at 7168, head_dim 112),
-    else head_dim 128 where it divides, else one head. A drafter with 4 heads at width 2048 (head_dim 512)
-    was routed by vLLM 0.26 to a CuTe kernel that is not installed (seen on an H200, 2026-11-29).
+    The largest divisor of the target's head count that gives a head_dim of 64-256 in multiples of 8
+    (what vLLM's FlashAttention paths take, and a count that tensor parallelism can still split):
+    SpecForge's Kimi-K2.5 drafter keeps Kimi's 64 heads at 7168 (head_dim 112). Without a target head
+    count, head_dim 128. A drafter with 4 heads at width 2048 (head_dim 512) was routed by vLLM 0.26 to
+    a CuTe kernel that is not installed (seen on an H200, 2026-11-29).
     """
-    if target_heads and hidden_size % int(target_heads) == 0:
-        hd = hidden_size // int(target_heads)
-        if 64 <= hd <= 256 and hd % 8 == 0:
-            return int(target_heads)
+    def fits(n: int) -> bool:
+        return n >= 1 and hidden_size % n == 0 and 64 <= hidden_size // n <= 256 and (hidden_size // n) % 8 == 0
+
+    if target_heads:
+        for n in range(int(target_heads), 0, -1):
+            if int(target_heads) % n == 0 and fits(n):
+                return n
     if hidden_size % 128 == 0:
         return hidden_size // 128
     return 1

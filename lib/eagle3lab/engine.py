@@ -6,7 +6,7 @@ same notebook runs on a laptop with :class:`ReferenceEngine` and on GPUs with a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -160,13 +160,341 @@ class ReferenceEngine:
         return SpeculativeResult(outputs=outputs, stats=total, per_prompt=per_prompt)
 
 
-def make_engine(kind: str, target_path: str | Path, device: str = "auto", dtype: str = "auto", **kw: Any) -> Engine:
-    """The engine named by ``kind`` (``params.engine.kind``)."""
-    if kind == "reference":
-        return ReferenceEngine(target_path, device=device, dtype=dtype, **kw)
-    if kind == "vllm":
-        raise ValueError(
-            "engine.kind 'vllm': the vLLM engine is not available in this version of eagle3lab; "
-            "use engine.kind 'reference'"
+# ----------------------------------------------------------------------------------------------------
+# vLLM
+
+
+REFUSAL = "does not support EAGLE3 interface"  # the model runner's words, in every vLLM 0.14-0.26
+
+
+@dataclass
+class WorkerReport:
+    """What one vLLM worker loaded: its top-level class, EAGLE-3 verdict and the inner forward it runs."""
+
+    rank: int
+    model_class: str
+    supports_eagle3: bool
+    inner_class: str | None
+    inner_forward: str | None
+    eagle3lab_forward: bool
+    aux_layers: list[int] | None
+
+
+def describe_loaded_model(model: Any) -> dict[str, Any]:
+    """Run inside a vLLM worker (``LLM.apply_model``): a JSON-able :class:`WorkerReport` of ``model``."""
+    import torch.distributed as dist
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    lm = getattr(model, "language_model", None) or model  # Kimi-K2.5 wraps a DeepseekV3ForCausalLM
+    inner = getattr(lm, "model", None)
+    fwd = type(inner).forward if inner is not None else None
+    aux = getattr(inner, "aux_hidden_state_layers", None)
+    return {
+        "rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
+        "model_class": type(model).__name__,
+        "supports_eagle3": bool(supports_eagle3(model)),
+        "inner_class": type(inner).__name__ if inner is not None else None,
+        "inner_forward": f"{fwd.__module__}.{fwd.__qualname__}" if fwd is not None else None,
+        "eagle3lab_forward": bool(getattr(fwd, "__eagle3lab__", False)),
+        "aux_layers": [int(x) for x in aux] if aux else None,
+    }
+
+
+def _metric_dicts(snapshot: list[Any]) -> list[dict[str, Any]]:
+    """``LLM.get_metrics()`` as plain dicts (name, labels, value(s)): what fixtures and logs store."""
+    out = []
+    for m in snapshot:
+        d: dict[str, Any] = {"type": type(m).__name__, "name": m.name, "labels": dict(m.labels)}
+        for attr in ("value", "values", "count", "sum"):
+            if hasattr(m, attr):
+                v = getattr(m, attr)
+                d[attr] = list(v) if isinstance(v, (list, tuple)) else v
+        out.append(d)
+    return out
+
+
+class VllmEngine:
+    """vLLM's offline ``LLM`` behind the :class:`Engine` protocol.
+
+    One engine is alive at a time: the first call builds it without speculation, and a speculative call
+    with another drafter or k replaces it (vLLM fixes the speculative config at start). The engine core
+    and every tensor-parallel worker run in processes of their own, so the EAGLE-3 patch reaches them
+    only through our ``vllm.general_plugins`` entry point, driven by ``patch_env`` (``EAGLE3LAB_PATCH``),
+    which is put into this process's environment before each start so that they inherit it.
+    """
+
+    def __init__(
+        self,
+        target_path: str | Path,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.85,
+        max_model_len: int = 2048,
+        enforce_eager: bool = False,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        patch_env: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.target_path = Path(target_path)
+        if not (self.target_path / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in the target folder {self.target_path}")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.target_path), trust_remote_code=trust_remote_code)
+        self.eos_token_id: int | None = self.tokenizer.eos_token_id
+        self.device = "cuda"
+        self.options: dict[str, Any] = dict(
+            model=str(self.target_path),
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            trust_remote_code=trust_remote_code,  # never implied: only what the params state
+            seed=seed,
+            disable_log_stats=False,  # the spec-decode counters live in the stats
+            **(extra or {}),
         )
+        self.patch_env = dict(patch_env or {})
+        self._llm: Any = None
+        self._spec: dict[str, Any] | None = None
+        self.start_seconds: list[float] = []
+
+    # -- lifecycle
+    def llm(self, speculative_config: dict[str, Any] | None = None) -> Any:
+        """The live ``vllm.LLM`` for this speculative config (None: no speculation), started if needed."""
+        import os
+        import time
+
+        if self._llm is not None and self._spec == speculative_config:
+            return self._llm
+        self.close()
+        from vllm import LLM
+
+        os.environ.update(self.patch_env)
+        # Our worker probes (describe_loaded_model) travel to the workers as pickled functions.
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        kw = dict(self.options)
+        if speculative_config is not None:
+            kw["speculative_config"] = dict(speculative_config)
+        t0 = time.perf_counter()
+        self._llm = LLM(**kw)
+        self.start_seconds.append(time.perf_counter() - t0)
+        self._spec = speculative_config
+        return self._llm
+
+    def close(self) -> None:
+        """Shut the engine core and its workers down and free their GPU memory."""
+        import gc
+
+        if self._llm is None:
+            return
+        core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self._llm = None
+        self._spec = None
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- generation
+    @staticmethod
+    def _sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int, ignore_eos: bool = False) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            max_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
+            seed=int(seed) if temperature > 0 else None, ignore_eos=ignore_eos,
+        )  # fmt: skip
+
+    def _run(self, llm: Any, prompt_ids: list[list[int]], sp: Any) -> list[list[int]]:
+        from vllm.inputs import TokensPrompt
+
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], sp, use_tqdm=False)
+        return [cut_at_eos(list(o.outputs[0].token_ids), self.eos_token_id) for o in outs]
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> list[list[int]]:
+        """New tokens per prompt from the target alone (no speculation), ending at EOS (included)."""
+        _check_prompts(prompt_ids)
+        return self._run(self.llm(None), prompt_ids, self._sampling(max_new_tokens, temperature, top_p, seed))
+
+    def speculative_generate(
+        self,
+        prompt_ids: list[list[int]],
+        drafter_path: str | Path,
+        num_speculative_tokens: int,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        per_prompt: bool = True,
+    ) -> SpeculativeResult:
+        """EAGLE-3 in vLLM; counters from ``get_metrics()`` differences.
+
+        The whole batch runs once (outputs and totals); with ``per_prompt`` every prompt then runs alone
+        so that its counters can be told apart (vLLM's counters are engine-wide, not per request).
+        """
+        from eagle3lab.acceptance import stats_from_vllm_metrics
+
+        _check_prompts(prompt_ids)
+        if not (Path(drafter_path) / "config.json").is_file():
+            raise FileNotFoundError(f"no drafter config.json in {drafter_path}")
+        llm = self.llm({"method": "eagle3", "model": str(drafter_path),
+                        "num_speculative_tokens": int(num_speculative_tokens)})
+        sp = self._sampling(max_new_tokens, temperature, 1.0, seed)
+        before = llm.get_metrics()
+        outputs = self._run(llm, prompt_ids, sp)
+        stats = stats_from_vllm_metrics(before, llm.get_metrics())
+        each = None
+        if per_prompt:
+            each = []
+            for p in prompt_ids:
+                b = llm.get_metrics()
+                self._run(llm, [p], sp)
+                each.append(stats_from_vllm_metrics(b, llm.get_metrics()))
+        return SpeculativeResult(outputs=outputs, stats=stats, per_prompt=each)
+
+    # -- inspection
+    def worker_reports(self) -> list[WorkerReport]:
+        """Ask every worker of the live engine what it loaded (class, EAGLE-3 verdict, forward)."""
+        llm = self._llm if self._llm is not None else self.llm(None)
+        return [WorkerReport(**d) for d in llm.apply_model(describe_loaded_model)]
+
+    def metrics_snapshot(self) -> list[dict[str, Any]]:
+        """The live engine's metrics as plain dicts."""
+        return _metric_dicts(self._llm.get_metrics()) if self._llm is not None else []
+
+
+@dataclass
+class LaunchProbe:
+    """One EAGLE-3 engine launch in a fresh process: refused (with vLLM's own message) or served."""
+
+    patch: dict[str, bool]
+    refused: bool
+    exit_code: int
+    message: str | None
+    workers: list[WorkerReport]
+    outputs: list[list[int]] | None
+    seconds: float
+    log_file: str
+
+
+def probe_launch(
+    target_path: str | Path,
+    drafter_path: str | Path,
+    patch_env: dict[str, str],
+    log_file: str | Path,
+    engine_options: dict[str, Any] | None = None,
+    prompt_ids: list[list[int]] | None = None,
+    num_speculative_tokens: int = 3,
+    timeout_s: float = 900.0,
+) -> LaunchProbe:
+    """Start vLLM with an EAGLE-3 drafter in a child process and report what happened.
+
+    A child, because a refused engine start leaves a process in no state to try again, and because the
+    patch must arrive the way it does in production: through the plugin, in processes we never run
+    code in. The child writes a JSON result; the refusal is read from the log, in the engine core's
+    words.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    log_file = Path(log_file)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    result_file = log_file.with_suffix(".json")
+    result_file.unlink(missing_ok=True)
+    job = {"target": str(target_path), "drafter": str(drafter_path), "options": engine_options or {},
+           "prompts": prompt_ids or [[1, 2, 3, 4]], "k": num_speculative_tokens, "out": str(result_file)}
+    env = {k: v for k, v in os.environ.items() if k != "EAGLE3LAB_PATCH"}
+    env.update(patch_env)
+    t0 = time.perf_counter()
+    with log_file.open("w") as fh:
+        try:
+            rc = subprocess.run(
+                [sys.executable, "-m", "eagle3lab.engine", json.dumps(job)], env=env, stdout=fh,
+                stderr=subprocess.STDOUT, timeout=timeout_s, start_new_session=True,
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = 124
+    text = log_file.read_text(errors="replace")
+    lines = [ln.strip() for ln in text.splitlines() if REFUSAL in ln]
+    res = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    patch = json.loads(patch_env.get("EAGLE3LAB_PATCH", "{}") or "{}")
+    return LaunchProbe(
+        patch=patch, refused=bool(lines) and rc != 0, exit_code=rc,
+        message=lines[-1][lines[-1].find("Model does not"):] if lines else None,
+        workers=[WorkerReport(**w) for w in res.get("workers", [])], outputs=res.get("outputs"),
+        seconds=time.perf_counter() - t0, log_file=str(log_file),
+    )  # fmt: skip
+
+
+def _probe_child(job: dict[str, Any]) -> None:
+    """The child of :func:`probe_launch` (``python -m eagle3lab.engine JOB``)."""
+    import json
+
+    eng = VllmEngine(job["target"], **job["options"])
+    res = eng.speculative_generate(job["prompts"], job["drafter"], job["k"], 8, per_prompt=False)
+    reports = eng.worker_reports()
+    Path(job["out"]).write_text(json.dumps({"outputs": res.outputs, "stats": res.stats.to_dict(),
+                                            "workers": [asdict(r) for r in reports]}))
+    eng.close()
+
+
+def make_engine(kind: str, target_path: str | Path, device: str = "auto", dtype: str = "auto", **kw: Any) -> Engine:
+    """The engine named by ``kind`` (``params.engine.kind``); vLLM options go through ``kw``."""
+    if kind == "reference":
+        ref_kw = {k: kw[k] for k in ("trust_remote_code", "model", "tokenizer") if k in kw}
+        return ReferenceEngine(target_path, device=device, dtype=dtype, **ref_kw)
+    if kind == "vllm":
+        mode = kw.pop("mode", "offline")
+        if mode == "served":
+            from eagle3lab.serve import VllmServedEngine
+
+            return VllmServedEngine(target_path, dtype=dtype, **kw)
+        return VllmEngine(target_path, dtype=dtype, **kw)
     raise ValueError(f"engine.kind {kind!r}: expected 'reference' or 'vllm'")
+
+
+def engine_from_params(params: Any, target_path: str | Path, log_dir: str | Path | None = None) -> Engine:
+    """The engine a profile asks for, with every engine parameter honoured and the patch env attached."""
+    from eagle3lab.patch import plugin_env
+
+    e = params.engine
+    if e.kind == "reference":
+        return make_engine("reference", target_path, e.device, params.target.dtype,
+                           trust_remote_code=params.target.trust_remote_code)
+    kw: dict[str, Any] = dict(
+        tensor_parallel_size=e.tensor_parallel_size, gpu_memory_utilization=e.gpu_memory_utilization,
+        max_model_len=e.max_model_len, enforce_eager=e.enforce_eager,
+        trust_remote_code=params.target.trust_remote_code, seed=params.seed,
+        patch_env=plugin_env(params.patch.apply, params.patch.force, params.patch.legacy_simulation),
+    )  # fmt: skip
+    if e.mode == "served":
+        kw["mode"] = "served"
+        if log_dir is not None:
+            kw["log_dir"] = log_dir
+    return make_engine("vllm", target_path, e.device, params.target.dtype, **kw)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    _probe_child(json.loads(sys.argv[1]))

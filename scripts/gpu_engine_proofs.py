@@ -1,0 +1,425 @@
+"""GPU proofs for the vLLM engine (issue: the vLLM engine, for real). Run on the device, on a finished run.
+
+    python scripts/gpu_engine_proofs.py RUN_DIR OUT_DIR [--suite single|tp] [--prompts 32] [--max-tokens 64]
+
+RUN_DIR is a finished workbook run (its artifacts/target, artifacts/drafter, artifacts/data). Every engine runs
+in a child process of its own with the patch chosen through ``EAGLE3LAB_PATCH``, so the patch reaches the
+engine core and the workers only through our ``vllm.general_plugins`` entry point, as it does in production.
+
+suite ``single`` (one GPU):
+  1. greedy outputs with EAGLE-3 equal those without, eager and compiled (CUDA graphs); mean acceptance length
+     at k=3 on the held-out prompts;
+  2. our forward forced over vLLM 0.26's native one: aux hidden states captured inside the engine (prefill of
+     each prompt) and acceptance counters, compiled with CUDA graphs;
+  3. vLLM's per-position acceptance against the reference decoder (transformers, float32, same GPU, same drafter
+     and prompts);
+  4. the legacy simulation refused by the engine core (its own message), then served with the patch;
+  5. benchmarks side by side: output tokens/s with and without EAGLE-3 at batch 1, 8, 32; patched vs native
+     throughput; hidden-state extraction vs plain prefill (transformers).
+suite ``tp`` (two GPUs): the legacy refusal at TP 2, the patch in both workers, outputs at TP 2 equal to TP 1.
+
+Writes OUT_DIR/proofs.json, OUT_DIR/proofs.md (a table) and one log per engine; metric snapshots for the tests'
+fixtures go to OUT_DIR/fixtures/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+PATCH = {
+    "native": {"apply": False, "force": False, "legacy_simulation": False},
+    "legacy": {"apply": False, "force": False, "legacy_simulation": True},
+    "legacy+patch": {"apply": True, "force": False, "legacy_simulation": True},
+    "forced": {"apply": True, "force": True, "legacy_simulation": False},
+}
+AUX_TOL = 0.0  # our forward does what vLLM's does, op for op: anything but equality is reported as a difference
+
+
+# ---------------------------------------------------------------------------------------------------------
+# worker-side helpers (run inside vLLM's workers through LLM.apply_model; module-level so they pickle by name)
+
+
+def _install_aux_capture(model: Any) -> int:
+    """Wrap the top-level forward so that each multi-token forward (a prefill) keeps its aux states on CPU."""
+    import torch
+
+    model._e3_captured = []  # noqa: SLF001
+    original = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, tuple)) and out[1]:
+            aux = out[1]
+            if aux[0].shape[0] > 1:
+                model._e3_captured.append(torch.stack([a.detach().float().cpu() for a in aux], dim=1))  # noqa: SLF001
+        return out
+
+    model.forward = forward
+    return 1
+
+
+def _dump_aux_capture(model: Any, path: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    caps = getattr(model, "_e3_captured", [])
+    if rank == 0:
+        torch.save(caps, path)
+    # back to the class's forward: the benchmarks that follow must not pay for the copies
+    model.__dict__.pop("forward", None)
+    model._e3_captured = []  # noqa: SLF001
+    return len(caps)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# child: one engine configuration
+
+
+def child(job: dict[str, Any]) -> dict[str, Any]:
+    """Run one engine configuration: its workloads, timings and counters, as JSON."""
+    from eagle3lab.engine import VllmEngine, _metric_dicts
+
+    res: dict[str, Any] = {"name": job["name"]}
+    opts = dict(job["options"])
+    eng = VllmEngine(job["target"], **opts)
+    prompts = job["prompts"]
+    mt = job["max_tokens"]
+    spec = None
+    if job.get("drafter"):
+        spec = {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": job["k"]}
+    t0 = time.perf_counter()
+    llm = eng.llm(spec)
+    res["engine_start_s"] = time.perf_counter() - t0
+    res["workers"] = [r.__dict__ for r in eng.worker_reports()]
+    if job.get("capture_aux"):
+        llm.apply_model(_install_aux_capture)
+        # one prompt at a time, one token each: every forward is one prompt's prefill
+        for p in prompts[: job["capture_aux"]]:
+            eng._run(llm, [p], eng._sampling(1, 0.0, 1.0, 0))  # noqa: SLF001
+        res["aux_captured"] = llm.apply_model(lambda m, path=job["aux_file"]: _dump_aux_capture(m, path))
+    sp = eng._sampling(mt, 0.0, 1.0, 0, ignore_eos=True)  # noqa: SLF001
+    from eagle3lab.acceptance import stats_from_vllm_metrics
+
+    before = llm.get_metrics()
+    t0 = time.perf_counter()
+    outs = eng._run(llm, prompts, sp)  # noqa: SLF001
+    res["generate_s"] = time.perf_counter() - t0
+    after = llm.get_metrics()
+    res["outputs"] = outs
+    if spec is not None:
+        res["stats"] = stats_from_vllm_metrics(before, after).to_dict()
+        res["metrics_before"] = _metric_dicts(before)
+        res["metrics_after"] = _metric_dicts(after)
+    if job.get("bench"):
+        bench = {}
+        for b in job["bench"]:
+            batch = (prompts * (b // len(prompts) + 1))[:b]
+            eng._run(llm, batch, sp)  # noqa: SLF001 - warm-up at this batch size (graph capture, caches)
+            t0 = time.perf_counter()
+            reps = 0
+            while reps < 3 or time.perf_counter() - t0 < 2.0:
+                outs_b = eng._run(llm, batch, sp)  # noqa: SLF001
+                reps += 1
+            dt = (time.perf_counter() - t0) / reps
+            bench[str(b)] = {"tokens_per_s": sum(len(o) for o in outs_b) / dt, "seconds_per_batch": dt, "reps": reps}
+        res["bench"] = bench
+    eng.close()
+    return res
+
+
+def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None, timeout: float = 500) -> dict:
+    from eagle3lab.patch import plugin_env
+
+    env = {k: v for k, v in os.environ.items() if k != "EAGLE3LAB_PATCH"}
+    if patch is not None:
+        env.update(plugin_env(**patch))
+    name = job["name"]
+    js, log = out_dir / f"{name}.json", out_dir / f"{name}.log"
+    job = {**job, "out": str(js)}
+    t0 = time.perf_counter()
+    with log.open("w") as fh:
+        try:
+            rc = subprocess.run([sys.executable, __file__, "--child", json.dumps(job)], env=env, stdout=fh,
+                                stderr=subprocess.STDOUT, timeout=timeout, start_new_session=True).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    text = log.read_text(errors="replace")
+    r = json.loads(js.read_text()) if rc == 0 and js.is_file() else {"name": name}
+    r["exit_code"] = rc
+    r["wall_s"] = time.perf_counter() - t0
+    lines = [ln.strip() for ln in text.splitlines() if "does not support EAGLE3 interface" in ln]
+    r["refusal"] = lines[-1][lines[-1].find("Model does not"):] if lines else None
+    if rc != 0:
+        r["log_tail"] = text[-3000:]
+    print(f"{name}: exit {rc} in {r['wall_s']:.0f} s", flush=True)
+    return r
+
+
+# ---------------------------------------------------------------------------------------------------------
+# parent
+
+
+def _prompts(run_dir: Path, n: int) -> list[list[int]]:
+    rows = [json.loads(x) for x in (run_dir / "artifacts/data/heldout_prompts.jsonl").read_text().splitlines() if x]
+    return [r["prompt_ids"] for r in rows][:n]
+
+
+def _reference(run_dir: Path, prompts: list[list[int]], k: int, max_tokens: int) -> dict[str, Any]:
+    """The reference decoder (transformers, float32) on the same GPU, drafter and prompts."""
+    import torch
+
+    from eagle3lab.engine import ReferenceEngine
+
+    eng = ReferenceEngine(run_dir / "artifacts/target", device="cuda", dtype="float32")
+    eng.eos_token_id = None  # the vLLM runs ignore EOS: compare like with like
+    t0 = time.perf_counter()
+    res = eng.speculative_generate(prompts, run_dir / "artifacts/drafter", k, max_tokens)
+    out = {"seconds": time.perf_counter() - t0, "stats": res.stats.to_dict(), "outputs": res.outputs}
+    del eng
+    torch.cuda.empty_cache()
+    return out
+
+
+def _extraction_bench(run_dir: Path, aux_ids: list[int], n_samples: int = 256) -> dict[str, Any]:
+    """Hidden-state extraction (our hooks + shards on disk) vs a plain prefill of the same batches."""
+    import tempfile
+
+    import torch
+
+    from eagle3lab.engine import ReferenceEngine
+    from eagle3lab.hidden_states import extract_hidden_states
+    from eagle3lab.synthetic import read_samples, write_jsonl_atomic
+
+    eng = ReferenceEngine(run_dir / "artifacts/target", device="cuda", dtype="bfloat16")
+    samples = read_samples(run_dir / "artifacts/data/samples.jsonl")[:n_samples]
+    bs = 32
+    with tempfile.TemporaryDirectory() as tmp:
+        sp = write_jsonl_atomic(Path(tmp) / "samples.jsonl", samples)
+        extract_hidden_states(eng.model, sp, aux_ids, Path(tmp) / "warm", shard_sequences=64, dtype="bfloat16",
+                              batch_size=bs, progress=False, max_shards=1)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        st = extract_hidden_states(eng.model, sp, aux_ids, Path(tmp) / "h", shard_sequences=64, dtype="bfloat16",
+                                   batch_size=bs, progress=False)
+        torch.cuda.synchronize()
+        ext_s = time.perf_counter() - t0
+    seqs = [s["prompt_ids"] + s["output_ids"] for s in samples]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n_tok = 0
+    with torch.no_grad():
+        for i in range(0, len(seqs), bs):
+            chunk = seqs[i:i + bs]
+            width = max(map(len, chunk))
+            ids = torch.zeros((len(chunk), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, s in enumerate(chunk):
+                ids[j, :len(s)] = torch.tensor(s)
+                mask[j, :len(s)] = 1
+            eng.model(input_ids=ids.cuda(), attention_mask=mask.cuda(), use_cache=False)
+            n_tok += int(mask.sum())
+    torch.cuda.synchronize()
+    pre_s = time.perf_counter() - t0
+    return {"tokens": st.tokens, "extraction_tokens_per_s": st.tokens / ext_s, "prefill_tokens_per_s": n_tok / pre_s,
+            "ratio": (st.tokens / ext_s) / (n_tok / pre_s), "batch_size": bs, "samples": len(samples)}
+
+
+def _aux_compare(a_file: Path, b_file: Path) -> dict[str, Any]:
+    import torch
+
+    a, b = torch.load(a_file), torch.load(b_file)
+    if len(a) != len(b) or not a:
+        return {"prefills": [len(a), len(b)], "equal": False, "max_abs_diff": None}
+    diffs = [float((x - y).abs().max()) if x.shape == y.shape else float("inf") for x, y in zip(a, b, strict=True)]
+    scale = max(float(x.abs().max()) for x in a)
+    return {"prefills": len(a), "tokens": sum(x.shape[0] for x in a), "shape": list(a[0].shape[1:]),
+            "max_abs_diff": max(diffs), "max_abs_value": scale, "equal": max(diffs) <= AUX_TOL}
+
+
+def suite_single(run_dir: Path, out: Path, n: int, mt: int, k: int) -> dict[str, Any]:
+    prompts = _prompts(run_dir, n)
+    tgt, dr = str(run_dir / "artifacts/target"), str(run_dir / "artifacts/drafter")
+    aux_ids = json.loads((run_dir / "artifacts/drafter/config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    base = {"target": tgt, "prompts": prompts, "max_tokens": mt, "k": k}
+    o_eager = {"dtype": "bfloat16", "enforce_eager": True, "gpu_memory_utilization": 0.4, "max_model_len": 1024}
+    o_comp = {**o_eager, "enforce_eager": False}
+    R: dict[str, dict] = {}
+    R["legacy"] = run_child({**base, "name": "legacy", "options": o_eager, "drafter": dr}, out, PATCH["legacy"])
+    R["baseline-eager"] = run_child({**base, "name": "baseline-eager", "options": o_eager}, out, None)
+    R["patched-eager"] = run_child({**base, "name": "patched-eager", "options": o_eager, "drafter": dr}, out,
+                                   PATCH["legacy+patch"])
+    bench = [1, 8, 32]
+    R["baseline-compiled"] = run_child({**base, "name": "baseline-compiled", "options": o_comp, "bench": bench},
+                                       out, None)
+    R["native-compiled"] = run_child({**base, "name": "native-compiled", "options": o_comp, "drafter": dr,
+                                      "bench": bench, "capture_aux": 8, "aux_file": str(out / "aux-native.pt")},
+                                     out, PATCH["native"])
+    R["forced-compiled"] = run_child({**base, "name": "forced-compiled", "options": o_comp, "drafter": dr,
+                                      "bench": bench, "capture_aux": 8, "aux_file": str(out / "aux-forced.pt")},
+                                     out, PATCH["forced"])
+    R["reference"] = _reference(run_dir, prompts, k, mt)
+    R["extraction"] = _extraction_bench(run_dir, aux_ids)
+
+    def eq(a: str, b: str) -> bool | None:
+        oa, ob = R[a].get("outputs"), R[b].get("outputs")
+        return None if oa is None or ob is None else oa == ob
+
+    def mismatches(a: str, b: str) -> int | None:
+        oa, ob = R[a].get("outputs"), R[b].get("outputs")
+        return None if oa is None or ob is None else sum(x != y for x, y in zip(oa, ob, strict=True))
+
+    st = {m: R[m].get("stats") for m in ("patched-eager", "native-compiled", "forced-compiled")}
+    ref = R["reference"]["stats"]
+    tau = {m: (1 + s["num_accepted_tokens"] / s["num_drafts"]) if s and s["num_drafts"] else None for m, s in st.items()}
+    rates = {m: [x / s["num_drafts"] for x in s["accepted_per_pos"]] if s and s["num_drafts"] else None
+             for m, s in st.items()}
+    ref_rates = [x / ref["num_drafts"] for x in ref["accepted_per_pos"]]
+    b0, bn, bf = (R[m].get("bench", {}) for m in ("baseline-compiled", "native-compiled", "forced-compiled"))
+    speedup = {b: bn[b]["tokens_per_s"] / b0[b]["tokens_per_s"] for b in b0 if b in bn}
+    forced_vs_native = {b: bf[b]["tokens_per_s"] / bn[b]["tokens_per_s"] for b in bn if b in bf}
+    # drafter/target step-cost ratio from the measured batch-1 throughputs: a round costs one target step
+    # (verifying k+1 tokens at batch 1 costs about one decode step) plus k drafter steps and yields tau tokens.
+    c_ratio = None
+    if "1" in b0 and "1" in bn and tau["native-compiled"]:
+        t_t = 1 / b0["1"]["tokens_per_s"]
+        t_round = tau["native-compiled"] / bn["1"]["tokens_per_s"]
+        c_ratio = max(0.0, (t_round - t_t) / k) / t_t
+    summary = {
+        "proof1_greedy_equal": {"eager": eq("baseline-eager", "patched-eager"),
+                                "compiled_native": eq("baseline-compiled", "native-compiled"),
+                                "compiled_forced": eq("baseline-compiled", "forced-compiled"),
+                                "eager_vs_compiled_baseline": eq("baseline-eager", "baseline-compiled"),
+                                "mismatching_prompts_compiled": mismatches("baseline-compiled", "native-compiled")},
+        "tau_k3": tau,
+        "per_position_rate": rates,
+        "proof2_forced_vs_native": {"aux": _aux_compare(out / "aux-native.pt", out / "aux-forced.pt")
+                                    if (out / "aux-native.pt").is_file() and (out / "aux-forced.pt").is_file()
+                                    else None,
+                                    "counters_equal": st["native-compiled"] == st["forced-compiled"],
+                                    "native": st["native-compiled"], "forced": st["forced-compiled"]},
+        "proof3_reference": {"reference_rates": ref_rates, "vllm_rates": rates["native-compiled"],
+                             "max_abs_rate_gap": max(abs(a - b) for a, b in zip(ref_rates, rates["native-compiled"]
+                                                                                  or ref_rates, strict=False)),
+                             "reference_tau": 1 + ref["num_accepted_tokens"] / ref["num_drafts"],
+                             "reference_outputs_equal_vllm_baseline": R["reference"]["outputs"]
+                             == R["baseline-compiled"].get("outputs"),
+                             "reference_mismatching_prompts": sum(
+                                 a != b for a, b in zip(R["reference"]["outputs"],
+                                                        R["baseline-compiled"].get("outputs") or [], strict=False))},
+        "proof4_legacy": {"refused": R["legacy"]["refusal"] is not None and R["legacy"]["exit_code"] != 0,
+                          "message": R["legacy"]["refusal"],
+                          "patched_served": R["patched-eager"]["exit_code"] == 0,
+                          "patched_workers": R["patched-eager"].get("workers")},
+        "proof5_bench": {"baseline_tokens_per_s": {b: v["tokens_per_s"] for b, v in b0.items()},
+                         "eagle3_tokens_per_s": {b: v["tokens_per_s"] for b, v in bn.items()},
+                         "speedup": speedup, "forced_vs_native_throughput": forced_vs_native,
+                         "drafter_to_target_step_cost": c_ratio, "extraction_vs_prefill": R["extraction"]},
+        "engine_start_s": {m: R[m].get("engine_start_s") for m in R if isinstance(R[m], dict) and "engine_start_s" in R[m]},
+        "exit_codes": {m: R[m].get("exit_code") for m in R if isinstance(R[m], dict) and "exit_code" in R[m]},
+    }
+    fx = out / "fixtures"
+    fx.mkdir(exist_ok=True)
+    for m in ("native-compiled", "patched-eager"):
+        if "metrics_after" in R[m]:
+            (fx / f"vllm_metrics_{m}.json").write_text(json.dumps(
+                {"vllm": "0.26.0", "k": k, "prompts": len(prompts), "max_tokens": mt, "stats": R[m]["stats"],
+                 "before": R[m]["metrics_before"], "after": R[m]["metrics_after"]}, indent=1))
+    (out / "raw.json").write_text(json.dumps({m: {kk: vv for kk, vv in r.items() if kk not in ("outputs",)}
+                                              for m, r in R.items()}, indent=1, default=str))
+    return summary
+
+
+def suite_tp(run_dir: Path, out: Path, n: int, mt: int, k: int, tp: int) -> dict[str, Any]:
+    prompts = _prompts(run_dir, n)
+    tgt, dr = str(run_dir / "artifacts/target"), str(run_dir / "artifacts/drafter")
+    base = {"target": tgt, "prompts": prompts, "max_tokens": mt, "k": k}
+    o1 = {"dtype": "bfloat16", "enforce_eager": True, "gpu_memory_utilization": 0.4, "max_model_len": 1024}
+    on = {**o1, "tensor_parallel_size": tp}
+    R = {
+        f"legacy-tp{tp}": run_child({**base, "name": f"legacy-tp{tp}", "options": on, "drafter": dr}, out,
+                                    PATCH["legacy"]),
+        "baseline-tp1": run_child({**base, "name": "baseline-tp1", "options": o1}, out, None),
+        "patched-tp1": run_child({**base, "name": "patched-tp1", "options": o1, "drafter": dr}, out,
+                                 PATCH["legacy+patch"]),
+        f"baseline-tp{tp}": run_child({**base, "name": f"baseline-tp{tp}", "options": on}, out, None),
+        f"patched-tp{tp}": run_child({**base, "name": f"patched-tp{tp}", "options": on, "drafter": dr}, out,
+                                     PATCH["legacy+patch"]),
+    }
+    leg = R[f"legacy-tp{tp}"]
+    log = (out / f"legacy-tp{tp}.log").read_text(errors="replace")
+    refusing_workers = sorted({ln.split("(")[1].split(")")[0] for ln in log.splitlines()
+                               if "does not support EAGLE3 interface" in ln and "(" in ln and "pid=" in ln})
+
+    def same(a: str, b: str) -> int | None:
+        oa, ob = R[a].get("outputs"), R[b].get("outputs")
+        return None if oa is None or ob is None else sum(x != y for x, y in zip(oa, ob, strict=True))
+
+    s1, sn = R["patched-tp1"].get("stats"), R[f"patched-tp{tp}"].get("stats")
+    return {
+        "tp": tp,
+        "legacy_refused": leg["refusal"] is not None and leg["exit_code"] != 0,
+        "legacy_message": leg["refusal"],
+        "refusal_sources": refusing_workers,
+        "patched_workers": R[f"patched-tp{tp}"].get("workers"),
+        "baseline_mismatching_prompts_tp1_vs_tpn": same("baseline-tp1", f"baseline-tp{tp}"),
+        "eagle3_mismatching_prompts_tp1_vs_tpn": same("patched-tp1", f"patched-tp{tp}"),
+        "eagle3_vs_baseline_mismatching_prompts_tpn": same(f"baseline-tp{tp}", f"patched-tp{tp}"),
+        "stats_tp1": s1, "stats_tpn": sn,
+        "per_position_rate_tp1": [x / s1["num_drafts"] for x in s1["accepted_per_pos"]] if s1 else None,
+        "per_position_rate_tpn": [x / sn["num_drafts"] for x in sn["accepted_per_pos"]] if sn else None,
+        "exit_codes": {m: r.get("exit_code") for m, r in R.items()},
+        "engine_start_s": {m: r.get("engine_start_s") for m, r in R.items()},
+    }
+
+
+def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run_dir")
+    ap.add_argument("out_dir")
+    ap.add_argument("--suite", choices=["single", "tp"], default="single")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=2)
+    a = ap.parse_args()
+    run_dir, out = Path(a.run_dir), Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    head = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "torch": torch.__version__, "run_dir": str(run_dir), "suite": a.suite, "prompts": a.prompts,
+            "max_tokens": a.max_tokens, "k": a.k}
+    try:
+        import vllm
+
+        head["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    if a.suite == "single":
+        res = suite_single(run_dir, out, a.prompts, a.max_tokens, a.k)
+    else:
+        res = suite_tp(run_dir, out, a.prompts, a.max_tokens, a.k, a.tp)
+    doc = {**head, **res}
+    (out / "proofs.json").write_text(json.dumps(doc, indent=1, default=str))
+    print(json.dumps(doc, indent=1, default=str)[:6000])
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        job = json.loads(sys.argv[2])
+        Path(job["out"]).write_text(json.dumps(child(job), default=str))
+    else:
+        sys.exit(main())
