@@ -1,17 +1,28 @@
 """Command line: ``eagle3lab run | validate | diagnose | lint-drafter | patch --check``.
 
-Exit codes: 0 success; 1 the work failed (a notebook, lint errors, a check); 2 bad input (parameters,
-arguments), reported in one line that names the file, the field and the reason.
+Exit codes:
+
+- 0: success;
+- 1: the work ran and its answer is "no" (a notebook failed, the lint found errors, the patch check
+  still sees a refusal);
+- 2: bad input (parameters, arguments, a missing or malformed config.json): one line per problem,
+  naming the file, the field and the reason; nothing was run;
+- 3: the work could not be done (e.g. vLLM is not installed, the legacy simulation cannot apply to the
+  installed classes): one line with the error's type and message. ``EAGLE3LAB_TRACEBACK=1`` re-raises
+  it for the full traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
-from eagle3lab.params import ParamsError
+from eagle3lab.errors import InputError
+
+EXIT_OK, EXIT_NO, EXIT_BAD_INPUT, EXIT_FAILED = 0, 1, 2, 3
 
 
 def _only(text: str | None) -> list[str] | None:
@@ -49,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     lint.add_argument("--target", required=True, help="the target's config.json or folder")
     lint.add_argument("--json", action="store_true")
 
-    pt = sub.add_parser("patch", help="apply the in-process patch in a fresh process and show the interface matrix")
+    pt = sub.add_parser("patch", help="apply the in-process patch in this process and show the interface matrix")
     pt.add_argument("--check", metavar="ARCH", required=True, help="architecture to check, e.g. KimiK25ForConditionalGeneration")
     _add_params_args(pt)
     pt.add_argument("--json", action="store_true")
@@ -64,7 +75,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
         extra = f"  {s.error}" if s.error else ""
         print(f"{s.name:<20} {s.status:<8} {s.seconds:7.1f} s{extra}")
     print(f"report: {result.run_dir / 'index.html'}")
-    return 0 if result.ok else 1
+    return EXIT_OK if result.ok else EXIT_NO
 
 
 def _cmd_validate(a: argparse.Namespace) -> int:
@@ -75,7 +86,7 @@ def _cmd_validate(a: argparse.Namespace) -> int:
     p = params.load(a.file, a.overrides)
     print(yaml.safe_dump(params.to_jsonable(p), sort_keys=False), end="")
     print(f"# {a.file}: valid")
-    return 0
+    return EXIT_OK
 
 
 def _cmd_diagnose(a: argparse.Namespace) -> int:
@@ -83,7 +94,7 @@ def _cmd_diagnose(a: argparse.Namespace) -> int:
 
     d = diagnose.diagnose(a.target, drafter_config=a.drafter_config)
     print(json.dumps(d.to_dict(), indent=2) if a.json else diagnose.format_diagnosis(d))
-    return 0
+    return EXIT_OK
 
 
 def _cmd_lint(a: argparse.Namespace) -> int:
@@ -91,21 +102,28 @@ def _cmd_lint(a: argparse.Namespace) -> int:
 
     r = lint.lint_drafter(a.drafter_config, a.target)
     print(json.dumps(r.to_dict(), indent=2) if a.json else lint.format_lint(r))
-    return 1 if r.has_errors else 0
+    return EXIT_NO if r.has_errors else EXIT_OK
 
 
 def _cmd_patch(a: argparse.Namespace) -> int:
-    from eagle3lab import params, patch
+    from eagle3lab import params, patch_check, vllm_compat
 
     p = params.load(a.params or params_default(), a.overrides)
-    d = patch.check(a.check, apply=p.patch.apply, force=p.patch.force, legacy_simulation=p.patch.legacy_simulation)
-    print(json.dumps(d, indent=2) if a.json else patch.format_check(d))
-    return 0 if d.get("ok", True) else 1
+    if not vllm_compat.vllm_version():
+        raise RuntimeError("vLLM is not installed in this environment: nothing to check")
+    try:
+        vllm_compat.load_model_class(a.check)
+    except ValueError as exc:  # an architecture this vLLM does not have is the user's input
+        raise InputError([("patch --check", str(exc))]) from None
+    d = patch_check.check(a.check, apply=p.patch.apply, force=p.patch.force,
+                          legacy_simulation=p.patch.legacy_simulation)
+    print(json.dumps(d, indent=2) if a.json else patch_check.format_check(d))
+    return EXIT_OK if d.get("ok", True) else EXIT_NO
 
 
 def params_default() -> str:
     """The default profile's path."""
-    from eagle3lab.workbook import repo_root
+    from eagle3lab.paths import repo_root
 
     return str(repo_root() / "params" / "embedded.yaml")
 
@@ -117,12 +135,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "lint-drafter": _cmd_lint, "patch": _cmd_patch}
     try:
         return handlers[a.command](a)
-    except ParamsError as exc:
-        print(f"eagle3lab: error: {exc}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"eagle3lab: error: {exc}", file=sys.stderr)
-        return 2
+    except InputError as exc:
+        for line in exc.lines:
+            print(f"eagle3lab: error: {line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # a failure of the work, not of the input: its own code and its type
+        if os.environ.get("EAGLE3LAB_TRACEBACK"):
+            raise
+        print(f"eagle3lab: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

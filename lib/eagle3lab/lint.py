@@ -3,7 +3,9 @@
 Most drafter mistakes do not crash: aux ids one layer early (the SGLang convention read by vLLM),
 ids under ``eagle_config`` that a runner never reads, a draft vocabulary without its ``d2t`` map.
 They show up as low acceptance. This module finds them from the config files alone; what the
-installed vLLM accepts is read from its source files (``ast`` / text), without importing it.
+installed vLLM accepts is read from its source files (``ast`` / text, through
+:func:`eagle3lab.vllm_compat.read_source`), without importing it. The aux-id rules are
+:mod:`eagle3lab.aux_layers`'s; this module only chooses a severity for each.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3lab.diagnose import (
+from eagle3lab import vllm_compat
+from eagle3lab.aux_layers import (
     aux_id_problems,
     default_aux_layer_ids,
-    drafter_aux_ids,
-    read_json_config,
-    target_info,
-    vllm_package_dir,
+    sglang_default_ids,
+    sglang_to_vllm,
 )
+from eagle3lab.diagnose.aux_ids import drafter_aux_ids
+from eagle3lab.diagnose.target_info import read_json_config, target_info
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -75,20 +78,8 @@ class LintReport:
 # --------------------------------------------------------------------------------------------------
 
 
-def _installed_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return None
-
-
 def _read(rel: str) -> str | None:
-    try:
-        return (vllm_package_dir() / rel).read_text(encoding="utf-8", errors="replace")
-    except (OSError, ModuleNotFoundError):
-        return None
+    return vllm_compat.read_source(rel)
 
 
 def installed_drafter_archs() -> set[str] | None:
@@ -142,7 +133,7 @@ def aux_id_readers() -> list[tuple[str, str, bool]]:
     Returns (file, function, reads eagle_config too) for each innermost such function under
     ``vllm/v1/worker`` (the V1 runner and, where present, the V2 runner's EAGLE-3 helpers).
     """
-    root = vllm_package_dir()
+    root = vllm_compat.vllm_package_dir()
     key = "eagle_aux_hidden_state_layer_ids"
     out = []
     for path in sorted((root / "v1" / "worker").rglob("*.py")):
@@ -235,11 +226,6 @@ def _find(shapes: dict[str, list[int]], suffix: str) -> tuple[str, list[int]] | 
 # --------------------------------------------------------------------------------------------------
 
 
-def sglang_default_ids(num_layers: int) -> list[int]:
-    """SGLang's default capture ids (1, L//2-1, L-4): vLLM's default minus one, layer for layer."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
 _SGLANG_TOOLS = ("specforge", "torchspec", "sglang")
 
 
@@ -250,7 +236,7 @@ def lint_drafter(drafter_config: str | Path, target_config: str | Path) -> LintR
     L, H_t, V_t = tinfo.num_hidden_layers, tinfo.hidden_size, tinfo.vocab_size
     layer_cfg = dcfg.get("transformer_layer_config") or {}
     ids, where = drafter_aux_ids(dcfg)
-    report = LintReport(str(dpath), str(tinfo.config_path), _installed_version(), ids)
+    report = LintReport(str(dpath), str(tinfo.config_path), vllm_compat.vllm_version() or None, ids)
     shapes = safetensors_shapes(dpath.parent)
 
     report.add(
@@ -271,17 +257,11 @@ def lint_drafter(drafter_config: str | Path, target_config: str | Path) -> LintR
             report.add("info", "AUX_DEFAULT", f"no aux ids in the drafter config: vLLM uses its default rule {effective}")
     if effective is not None:
         for problem in aux_id_problems(effective, L):
-            code = (
-                "AUX_DUPLICATE" if "collapse" in problem else
-                "AUX_ZERO" if "id 0" in problem else
-                "AUX_RANGE" if "exceed" in problem else
-                "AUX_ORDER"
-            )
-            report.add("warning" if code == "AUX_ORDER" else "error", code, problem)
+            report.add("error" if problem.is_error else "warning", problem.code, f"ids {effective}: {problem.message}")
     if ids is not None and L is not None:
         text = json.dumps(dcfg).lower()
         tool = next((t for t in _SGLANG_TOOLS if t in text), None)
-        vllm_ids = [i + 1 for i in ids]
+        vllm_ids = sglang_to_vllm(ids)
         if ids == sglang_default_ids(L) or (tool and ids != default_aux_layer_ids(L)) or (0 in ids):
             why = (
                 f"they equal SGLang's default pattern (1, L//2-1, L-4) for L={L}" if ids == sglang_default_ids(L)

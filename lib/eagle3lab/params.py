@@ -1,8 +1,13 @@
 """Run parameters: YAML profiles validated by pydantic before any work starts.
 
 A profile is one YAML file under ``params/``; command-line overrides (``-p key=value``) are merged in
-before validation, so a bad override fails exactly like a bad file: one message naming the file, the
-field and the reason (:class:`ParamsError`), and no output folder is made.
+before validation, so a bad override fails exactly like a bad file: every problem found, one line each
+naming the file, the field and the reason (:class:`ParamsError`), and no output folder is made.
+Relative paths in a profile (``target.path``, ``data.prompts_file``) resolve against the repo root
+(:func:`eagle3lab.paths.repo_root`), wherever the command runs from.
+
+This is the config layer: it imports the aux-layer rules (:mod:`eagle3lab.aux_layers`) and nothing that
+reaches vLLM or torch.
 """
 
 from __future__ import annotations
@@ -12,18 +17,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
-from eagle3lab.diagnose import default_aux_layer_ids
+from eagle3lab.aux_layers import aux_id_problems, default_aux_layer_ids
+from eagle3lab.errors import InputError
+from eagle3lab.paths import repo_root, resolve_in_repo
 
 
-class ParamsError(ValueError):
-    """A parameter file or override that cannot be used; ``str()`` is the one-line user message."""
+class ParamsError(InputError):
+    """A parameter file or override that cannot be used; ``str()`` has one line per problem.
 
-    def __init__(self, source: str, field: str, reason: str) -> None:
-        self.source, self.field, self.reason = source, field, reason
-        where = f"{source}: {field}" if field else source
-        super().__init__(f"{where}: {reason}")
+    ``problems`` is a list of (field, reason); ``field`` and ``reason`` are the first problem's.
+    """
+
+    def __init__(self, source: str, field: str = "", reason: str = "", *, more: list[tuple[str, str]] | None = None) -> None:
+        self.source = source
+        self.field_problems = [(field, reason)] if reason else []
+        self.field_problems += list(more or [])
+        self.field, self.reason = self.field_problems[0]
+        super().__init__([(f"{source}: {f}" if f else source, r) for f, r in self.field_problems])
 
 
 class _Strict(BaseModel):
@@ -198,38 +210,50 @@ class Params(_Strict):
     acceptance: AcceptanceParams = Field(default_factory=AcceptanceParams)
 
     @model_validator(mode="after")
-    def _consistent(self) -> Params:
+    def _consistent(self, info: ValidationInfo) -> Params:
+        # Every cross-field problem is collected, so a profile with several mistakes lists them all.
+        problems: list[tuple[str, str]] = []
+        self._resolve_paths((info.context or {}).get("root") or repo_root())
         t = self.target
         if t.source == "checkpoint":
             if t.path is None:
-                raise _FieldError("target.path", "required when target.source is 'checkpoint'")
-            if not Path(t.path).is_dir():
-                raise _FieldError("target.path", f"checkpoint folder does not exist: {t.path}")
-            if not (Path(t.path) / "config.json").is_file():
-                raise _FieldError("target.path", f"no config.json in {t.path}")
+                problems.append(("target.path", "required when target.source is 'checkpoint'"))
+            elif not Path(t.path).is_dir():
+                problems.append(("target.path", f"checkpoint folder does not exist: {t.path}"))
+            elif not (Path(t.path) / "config.json").is_file():
+                problems.append(("target.path", f"no config.json in {t.path}"))
         if self.engine.tensor_parallel_size > 1 and self.engine.kind != "vllm":
-            raise _FieldError("engine.tensor_parallel_size", "tensor parallelism needs engine.kind 'vllm'")
+            problems.append(("engine.tensor_parallel_size", "tensor parallelism needs engine.kind 'vllm'"))
         if self.data.prompts_file is not None and not Path(self.data.prompts_file).is_file():
-            raise _FieldError("data.prompts_file", f"file does not exist: {self.data.prompts_file}")
+            problems.append(("data.prompts_file", f"file does not exist: {self.data.prompts_file}"))
         if t.source == "checkpoint" and self.data.prompts_file is None:
-            raise _FieldError("data.prompts_file", "a checkpoint target needs a prompts file (JSONL)")
+            problems.append(("data.prompts_file", "a checkpoint target needs a prompts file (JSONL)"))
         num_layers = self.target_num_layers()
         for field, ids in [("drafter.aux_layer_ids", self.drafter.aux_layer_ids)] + [
             (f"acceptance.layer_sweep[{i}]", s) for i, s in enumerate(self.acceptance.layer_sweep)
         ]:
             if ids is not None:
-                _check_aux_ids(field, ids, num_layers)
+                problems += [(field, p.message) for p in aux_id_problems(ids, num_layers) if p.is_error]
         if self.drafter.aux_layer_ids is None and num_layers is not None:
             default = default_aux_layer_ids(num_layers)
-            if len(set(default)) < 3 or min(default) < 1:
-                raise _FieldError(
+            if any(p.is_error for p in aux_id_problems(default, num_layers)):
+                problems.append((
                     "drafter.aux_layer_ids",
                     f"vLLM's default {tuple(default)} for a {num_layers}-layer target collapses or falls out of "
                     "range (the drafter's fc would fail with a shape error): set the ids explicitly",
-                )
+                ))
         if t.source == "embedded" and self.drafter.draft_vocab_size > t.embedded.vocab_size:
-            raise _FieldError("drafter.draft_vocab_size", "larger than the target's vocabulary")
+            problems.append(("drafter.draft_vocab_size", "larger than the target's vocabulary"))
+        if problems:
+            raise _FieldErrors(problems)
         return self
+
+    def _resolve_paths(self, root: Path) -> None:
+        # Relative paths mean "in the repository", not "wherever the command was started".
+        if self.target.path is not None and not Path(self.target.path).is_absolute():
+            self.target.path = resolve_in_repo(self.target.path, root)
+        if self.data.prompts_file is not None and not Path(self.data.prompts_file).is_absolute():
+            self.data.prompts_file = resolve_in_repo(self.data.prompts_file, root)
 
     def target_num_layers(self) -> int | None:
         """Number of decoder layers of the target, or None if it cannot be read without loading it."""
@@ -247,21 +271,12 @@ class Params(_Strict):
         return default_aux_layer_ids(n)
 
 
-class _FieldError(ValueError):
-    def __init__(self, field: str, reason: str) -> None:
-        self.field, self.reason = field, reason
-        super().__init__(f"{field}: {reason}")
+class _FieldErrors(ValueError):
+    """Cross-field problems of a profile, raised from inside pydantic and unpacked by :func:`validate`."""
 
-
-def _check_aux_ids(field: str, ids: list[int], num_layers: int | None) -> None:
-    if not ids:
-        raise _FieldError(field, "empty list")
-    if len(set(ids)) != len(ids):
-        raise _FieldError(field, f"duplicate layer ids {ids}")
-    if any(i <= 0 for i in ids):
-        raise _FieldError(field, f"{ids}: id 0 (or negative) has no residual stream in vLLM; ids start at 1")
-    if num_layers is not None and any(i > num_layers for i in ids):
-        raise _FieldError(field, f"{ids}: out of range for a target with {num_layers} layers (max id {num_layers})")
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{f}: {r}" for f, r in problems))
 
 
 def _num_layers_from_config(path: Path) -> int | None:
@@ -305,25 +320,29 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def validate(data: dict[str, Any], source: str) -> Params:
-    """Validate a raw mapping; raise :class:`ParamsError` naming ``source``, the field and the reason."""
+def validate(data: dict[str, Any], source: str, root: Path | None = None) -> Params:
+    """Validate a raw mapping; :class:`ParamsError` lists every problem (file, field, reason), one line each.
+
+    Relative paths resolve against ``root`` (default: :func:`eagle3lab.paths.repo_root`).
+    """
     try:
-        return Params.model_validate(data)
+        return Params.model_validate(data, context={"root": root or repo_root()})
     except ValidationError as exc:
-        err = exc.errors()[0]
-        ctx_err = (err.get("ctx") or {}).get("error")
-        if isinstance(ctx_err, _FieldError):
-            raise ParamsError(source, ctx_err.field, ctx_err.reason) from None
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        reason = err["msg"]
-        if err["type"] == "extra_forbidden":
-            reason = "unknown key (check the spelling against params/embedded.yaml)"
-        elif err["type"] == "missing":
-            reason = "required field is missing"
-        more = len(exc.errors()) - 1
-        if more:
-            reason += f" (and {more} more problem{'s' if more > 1 else ''})"
-        raise ParamsError(source, field, reason) from None
+        problems: list[tuple[str, str]] = []
+        for err in exc.errors():
+            ctx_err = (err.get("ctx") or {}).get("error")
+            if isinstance(ctx_err, _FieldErrors):
+                problems += ctx_err.problems
+                continue
+            field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            reason = err["msg"]
+            if err["type"] == "extra_forbidden":
+                reason = "unknown key (check the spelling against params/embedded.yaml)"
+            elif err["type"] == "missing":
+                reason = "required field is missing"
+            problems.append((field, reason.removeprefix("Value error, ")))
+        first, *more = problems
+        raise ParamsError(source, *first, more=more) from None
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> Params:
@@ -346,7 +365,8 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Params:
     if overrides:
         data = apply_overrides(data, overrides)
         source = f"{source} (with overrides)"
-    return validate(data, source)
+    # A profile inside the repository names repository paths, wherever the command runs from.
+    return validate(data, source, repo_root(path.resolve().parent))
 
 
 def to_jsonable(params: Params) -> dict[str, Any]:

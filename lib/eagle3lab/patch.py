@@ -9,34 +9,34 @@ This module fixes both without editing any installed file:
   Protocol lists (the Kimi wrapper delegates to its language model);
 - ``DeepseekV2Model.forward`` is replaced by the installed version's forward plus aux hidden-state
   collection, the way vLLM 0.26 does it natively (:func:`run_layers_collecting_aux`);
-- 0.17's front-end allow-list gets the DeepSeek / Kimi model types.
+- 0.17's front-end allow-list (located by :func:`eagle3lab.vllm_compat.frontend_gates`) gets the
+  DeepSeek / Kimi model types.
 
 Every change is recorded in ``_REGISTRY`` (the only global state of the project), so applying twice
 equals applying once and :func:`revert` restores the exact originals. On vLLM >= 0.18 (native support)
 :func:`apply` is a reported no-op unless ``force=True``; :func:`simulate_legacy` removes the native
 support in-process to reproduce the 0.15-0.17 refusal.
 
-vLLM starts separate processes (engine core, one worker per tensor-parallel rank), so the patch reaches
-them through :func:`vllm_plugin`, a ``vllm.general_plugins`` entry point driven by ``EAGLE3LAB_PATCH``.
-vLLM is imported lazily: every vLLM process imports this module.
+vLLM starts separate processes (engine core, one worker per tensor-parallel rank); the patch reaches them
+through the general plugin in :mod:`eagle3lab.plugin`. ``eagle3lab patch --check`` is
+:mod:`eagle3lab.patch_check`. vLLM is imported lazily (through :mod:`eagle3lab.vllm_compat`): every vLLM
+process imports this module.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import json
-import logging
-import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from eagle3lab import vllm_compat
+from eagle3lab.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 
-ENV_VAR = "EAGLE3LAB_PATCH"
-PLUGIN_NAME = "eagle3lab"
+# 02_patch and scripts/gpu_vllm_eagle3.py import plugin_env from here; its home is eagle3lab.plugin.
+from eagle3lab.plugin import plugin_env  # noqa: F401
+
 # What the matrices show: the family's causal LM, its DeepSeek-V3 subclass, and the Kimi-K2.5 wrapper.
 ARCHES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration")
 # Model types 0.17's SpeculativeConfig must admit for method eagle3 (substring match, like vLLM's own).
@@ -121,27 +121,6 @@ class PatchReport:
 # --------------------------------------------------------------------------------------------------
 
 
-def validate_aux_ids(aux_ids: Iterable[int], num_layers: int | None = None) -> tuple[int, ...]:
-    """Check vLLM-convention aux ids (the input of layer k; ``num_layers`` = final pre-norm state).
-
-    Returns them sorted ascending; raises ValueError for id 0 (no residual stream exists before the
-    first layer: vLLM 0.26 crashes there), negative, duplicate or out-of-range ids.
-    """
-    ids = tuple(int(i) for i in aux_ids)
-    if any(i <= 0 for i in ids):
-        raise ValueError(
-            f"aux hidden-state layer ids {list(ids)}: id 0 (or negative) is invalid; vLLM's id k is the input "
-            "of layer k (hidden + residual), and there is no residual before layer 1; use ids >= 1"
-        )
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"aux hidden-state layer ids {list(ids)}: duplicates")
-    if num_layers is not None and any(i > num_layers for i in ids):
-        raise ValueError(
-            f"aux hidden-state layer ids {list(ids)}: out of range for {num_layers} layers (max id {num_layers})"
-        )
-    return tuple(sorted(ids))
-
-
 def run_layers_collecting_aux(
     layers: Sequence[Any],
     hidden_states: Any,
@@ -162,7 +141,9 @@ def run_layers_collecting_aux(
     collection at each layer) and ``finish_aux`` (on each collected state) are hooks for vLLM's
     sequence-parallel gathers. Returns ``(hidden_states, residual, aux)``.
     """
-    wanted = validate_aux_ids(aux_ids)
+    # () is the inner model's default: collect nothing. Anything else must be usable ids.
+    requested = tuple(aux_ids)
+    wanted = check_aux_layer_ids(requested) if requested else []
     end_layer = start_layer + len(layers)
     aux: list[Any] = []
     for offset, layer in enumerate(layers):
@@ -276,13 +257,11 @@ def _make_inner_forward(mod: Any, original: Callable[..., Any]) -> Callable[...,
 
 def _causal_lm_set_aux(self: Any, layers: tuple[int, ...]) -> None:
     """Which layers' inputs the inner model returns as aux hidden states (vLLM ids)."""
-    self.model.aux_hidden_state_layers = validate_aux_ids(layers, int(self.config.num_hidden_layers))
+    self.model.aux_hidden_state_layers = tuple(check_aux_layer_ids(layers, int(self.config.num_hidden_layers)))
 
 
 def _causal_lm_default_aux(self: Any) -> tuple[int, ...]:
     """vLLM's default rule (2, L//2, L-3), L read from the config."""
-    from eagle3lab.diagnose import default_aux_layer_ids
-
     return tuple(default_aux_layer_ids(int(self.config.num_hidden_layers)))
 
 
@@ -354,28 +333,20 @@ def revert() -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Introspection of the installed vLLM
+# The installed vLLM (through vllm_compat)
 # --------------------------------------------------------------------------------------------------
 
-
-def vllm_version() -> str:
-    """The installed vLLM's version, or "" when none is installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return ""
+vllm_version = vllm_compat.vllm_version  # the notebooks and reports read it from here too
 
 
 def _interfaces() -> Any:
-    return importlib.import_module("vllm.model_executor.models.interfaces")
+    return vllm_compat.interfaces()
 
 
 def _classes() -> dict[str, type]:
     """The classes the patch changes, imported from the same modules vLLM's registry loads."""
-    ds = importlib.import_module(_DEEPSEEK_MODULE)
-    kimi = importlib.import_module(_KIMI_MODULE)
+    ds = vllm_compat.import_module(_DEEPSEEK_MODULE)
+    kimi = vllm_compat.import_module(_KIMI_MODULE)
     return {
         "DeepseekV2Model": ds.DeepseekV2Model,
         "DeepseekV2ForCausalLM": ds.DeepseekV2ForCausalLM,
@@ -384,33 +355,23 @@ def _classes() -> dict[str, type]:
     }
 
 
-def resolve_arch(arch: str) -> type:
-    """The class vLLM's registry loads for ``arch``; ValueError when it is unknown or fails to import."""
-    from vllm.model_executor.models.registry import ModelRegistry
-
-    try:
-        cls = ModelRegistry._try_load_model_cls(arch)
-    except Exception as exc:
-        raise ValueError(f"architecture {arch!r}: vLLM {vllm_version()} cannot load its class ({exc})") from exc
-    if cls is None:
-        raise ValueError(f"architecture {arch!r}: not in vLLM {vllm_version()}'s model registry")
-    return cls
-
-
 def protocol_members() -> list[str]:
-    """Members of the installed ``SupportsEagle3`` Protocol (from eagle3lab.diagnose)."""
-    from eagle3lab.diagnose import eagle3_protocol_members
+    """Members of the installed ``SupportsEagle3`` Protocol."""
+    from eagle3lab.diagnose.protocol import eagle3_protocol_members
 
     return eagle3_protocol_members()
 
 
 def interface_matrix(arches: Iterable[str] = ARCHES) -> list[dict[str, Any]]:
-    """One row per architecture: diagnose.InterfaceReport as a dict, plus ``arch`` and ``refusal``."""
-    from eagle3lab.diagnose import interface_report
+    """One row per architecture: its InterfaceReport as a dict, plus ``arch`` and ``refusal``.
+
+    ValueError when an architecture cannot be loaded (not registered, or its module fails to import).
+    """
+    from eagle3lab.diagnose.protocol import interface_report
 
     rows = []
     for arch in arches:
-        cls = resolve_arch(arch)
+        cls = vllm_compat.load_model_class(arch)
         row = {"arch": arch, **interface_report(cls).to_dict()}
         row["refusal"] = refusal_for(cls)
         rows.append(row)
@@ -423,11 +384,9 @@ def refusal_for(model_cls: type) -> str | None:
     Uses the runner's own test (``supports_eagle3``) on the class; the class answer is the instances'
     answer once the interface is a nominal base.
     """
-    from eagle3lab.diagnose import REFUSAL_MESSAGE
-
     if not isinstance(model_cls, type):
         model_cls = type(model_cls)
-    return None if _interfaces().supports_eagle3(model_cls) else REFUSAL_MESSAGE
+    return None if vllm_compat.supports_eagle3(model_cls) else vllm_compat.REFUSAL_MESSAGE
 
 
 def native_support() -> bool:
@@ -451,54 +410,30 @@ def _mro_of_bases(bases: tuple[type, ...]) -> set[type]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _gate_function() -> Any | None:
-    """The plain function behind SpeculativeConfig's after-validator that holds the allow-list."""
-    try:
-        spec = importlib.import_module("vllm.config.speculative")
-    except ImportError:
-        return None
-    cls = getattr(spec, "SpeculativeConfig", None)
-    raw = inspect.getattr_static(cls, "_verify_args", None) if cls is not None else None
-    func = getattr(raw, "wrapped", raw)  # pydantic keeps decorated validators behind a descriptor proxy
-    func = getattr(func, "__func__", func)
-    return func if inspect.isfunction(func) else None
-
-
-def _allow_list_const(code: Any) -> tuple[int, tuple[str, ...]] | None:
-    """Index and value of the string tuple the validator turns into its allow-list (has 'llama')."""
-    for i, c in enumerate(code.co_consts):
-        if isinstance(c, tuple) and c and all(isinstance(s, str) for s in c) and "llama" in c and "qwen" in c:
-            return i, c
-    return None
-
-
-def frontend_allow_list() -> list[str] | None:
-    """Model-type substrings SpeculativeConfig accepts for eagle3, or None when there is no such gate."""
-    func = _gate_function()
-    found = _allow_list_const(func.__code__) if func is not None else None
-    return list(found[1]) if found else None
-
-
 def frontend_admits(model_type: str) -> bool:
-    """Whether SpeculativeConfig lets ``method='eagle3'`` through for a target of ``model_type``."""
-    allow = frontend_allow_list()
-    return True if allow is None else any(s in model_type for s in allow)
+    """Whether SpeculativeConfig lets ``method='eagle3'`` through for ``model_type`` in this process now."""
+    return vllm_compat.frontend_admits(model_type)
 
 
 def _patch_gate(group: str) -> list[PatchRecord]:
-    func = _gate_function()
-    found = _allow_list_const(func.__code__) if func is not None else None
-    if found is None:
-        return []
-    i, allow = found
-    missing = tuple(t for t in GATE_MODEL_TYPES if t not in allow)
-    if not missing:
-        return []
-    consts = list(func.__code__.co_consts)
-    consts[i] = allow + missing
-    # The list is a literal inside the validator: extending the constant it is built from is the
-    # smallest reversible change (pydantic holds the function object, whose code we swap).
-    return [_record(group, func, "__code__", func.__code__.replace(co_consts=tuple(consts)))]
+    recs = []
+    for gate in vllm_compat.frontend_gates():
+        func, i = vllm_compat.gate_function(gate), vllm_compat.gate_constant_index(gate)
+        if func is None or i is None:
+            raise ValueError(
+                f"front-end gate {gate.file}:{gate.line}: cannot find the allow-list constant in "
+                f"SpeculativeConfig.{gate.function}; the patch cannot admit {list(GATE_MODEL_TYPES)}"
+            )
+        allow = func.__code__.co_consts[i]
+        missing = tuple(t for t in GATE_MODEL_TYPES if t not in allow)
+        if not missing:
+            continue
+        consts = list(func.__code__.co_consts)
+        consts[i] = allow + missing
+        # The list is a literal inside the validator: extending the constant it is built from is the
+        # smallest reversible change (pydantic holds the function object, whose code we swap).
+        recs.append(_record(group, func, "__code__", func.__code__.replace(co_consts=tuple(consts))))
+    return recs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -544,9 +479,6 @@ def apply(force: bool = False, legacy_simulation: bool = False) -> PatchReport:
     rep.gate = {t: frontend_admits(t) for t in GATE_MODEL_TYPES}
     rep.after = _safe_matrix()
     return rep
-
-
-_apply_fn = apply  # check() takes a parameter named apply
 
 
 def _apply_patch() -> list[PatchRecord]:
@@ -638,134 +570,3 @@ def _simulate() -> list[PatchRecord]:
         revert_group(LEGACY)
         raise
     return recs
-
-
-# --------------------------------------------------------------------------------------------------
-# The vLLM general plugin
-# --------------------------------------------------------------------------------------------------
-
-
-def parse_plugin_env(raw: str) -> dict[str, bool]:
-    """Parse ``EAGLE3LAB_PATCH`` (JSON object with boolean apply/force/legacy_simulation)."""
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{ENV_VAR} is not valid JSON ({exc}): {raw!r}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{ENV_VAR} must be a JSON object, got {raw!r}")
-    keys = ("apply", "force", "legacy_simulation")
-    unknown = sorted(set(data) - set(keys))
-    if unknown:
-        raise ValueError(f"{ENV_VAR}: unknown keys {unknown} (allowed: {list(keys)})")
-    out = {}
-    for k in keys:
-        v = data.get(k, False)
-        if not isinstance(v, bool):
-            raise ValueError(f"{ENV_VAR}: {k} must be true or false, got {v!r}")
-        out[k] = v
-    return out
-
-
-def plugin_env(apply: bool, force: bool = False, legacy_simulation: bool = False) -> dict[str, str]:
-    """Environment variables that make every vLLM process started afterwards apply the patch.
-
-    Includes ``VLLM_PLUGINS`` only when it is already set (it is an allow-list) and lacks our name.
-    """
-    env = {ENV_VAR: json.dumps({"apply": apply, "force": force, "legacy_simulation": legacy_simulation})}
-    allowed = os.environ.get("VLLM_PLUGINS")
-    if allowed is not None:
-        names = [n.strip() for n in allowed.split(",") if n.strip()]
-        if PLUGIN_NAME not in names:
-            env["VLLM_PLUGINS"] = ",".join([*names, PLUGIN_NAME])
-    return env
-
-
-def vllm_plugin() -> None:
-    """Entry point (group ``vllm.general_plugins``): apply what ``EAGLE3LAB_PATCH`` asks; never raises."""
-    raw = os.environ.get(ENV_VAR)
-    if not raw:
-        return
-    try:
-        cfg = parse_plugin_env(raw)
-        if cfg["legacy_simulation"] and LEGACY not in _REGISTRY:
-            rep = simulate_legacy()
-            logger.info("eagle3lab legacy simulation: %s", rep.reason or "; ".join(rep.actions))
-        if cfg["apply"]:
-            rep = apply(force=cfg["force"])
-            logger.info("eagle3lab patch (pid %d): %s", os.getpid(), rep.reason or f"{len(rep.actions)} changes")
-    except Exception as exc:  # vLLM does not guard general plugins: an exception here would kill it
-        logger.warning("eagle3lab: EAGLE-3 patch not applied in pid %d: %s", os.getpid(), exc)
-
-
-# --------------------------------------------------------------------------------------------------
-# check (the CLI's `eagle3lab patch --check ARCH`)
-# --------------------------------------------------------------------------------------------------
-
-
-def check(arch: str, apply: bool = True, force: bool = False, legacy_simulation: bool = False) -> dict[str, Any]:
-    """Interface of ``arch`` before and after (legacy simulation, then) the patch, in this process.
-
-    vLLM logs to stdout; its log lines go to stderr here, so that ``--json`` output stays parseable.
-    """
-    import contextlib
-
-    with contextlib.redirect_stdout(sys.stderr):
-        return _check(arch, apply, force, legacy_simulation)
-
-
-def _check(arch: str, apply: bool, force: bool, legacy_simulation: bool) -> dict[str, Any]:
-    do_apply = apply
-    cls = resolve_arch(arch)
-    out: dict[str, Any] = {"arch": arch, "vllm_version": vllm_version(), "actions": []}
-    if legacy_simulation:
-        out["actions"] += [f"legacy simulation: {a}" for a in simulate_legacy().actions]
-    out["before"] = interface_matrix([arch])[0]
-    if do_apply:
-        rep = _apply_fn(force=force)
-        out["actions"] += rep.actions
-        out["noop"], out["reason"] = rep.noop, rep.reason
-    else:
-        out["noop"], out["reason"] = True, "patch.apply is false"
-    out["after"] = interface_matrix([arch])[0]
-    out["refusal_before"] = out["before"]["refusal"]
-    out["refusal_after"] = refusal_for(cls)
-    # Success: the class ends up supported whenever the patch was asked for.
-    out["ok"] = bool(out["after"]["supports_eagle3"]) or not do_apply
-    return out
-
-
-def format_check(d: dict[str, Any]) -> str:
-    """Human-readable form of :func:`check`'s result."""
-    lines = [f"{d['arch']} on vLLM {d['vllm_version']}"]
-    for when in ("before", "after"):
-        r = d[when]
-        lines.append(
-            f"  {when:6s} supports_eagle3={r['supports_eagle3']!s:5s} nominal={r['nominal']!s:5s} "
-            f"missing={r['members_missing'] or '-'}"
-        )
-        lines.append(f"         refusal: {r['refusal'] or 'none'}")
-    if d.get("noop"):
-        lines.append(f"  no-op: {d.get('reason', '')}")
-    lines += [f"  - {a}" for a in d.get("actions", [])]
-    lines.append("  OK" if d.get("ok") else "  FAILED: the class is still refused")
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m eagle3lab.patch --check ARCH [--json] [--no-apply] [--force] [--legacy-simulation]``."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m eagle3lab.patch", description=main.__doc__)
-    ap.add_argument("--check", metavar="ARCH", required=True)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--no-apply", action="store_true")
-    ap.add_argument("--force", action="store_true")
-    ap.add_argument("--legacy-simulation", action="store_true")
-    a = ap.parse_args(argv)
-    d = check(a.check, apply=not a.no_apply, force=a.force, legacy_simulation=a.legacy_simulation)
-    print(json.dumps(d, indent=2, default=str) if a.json else format_check(d))
-    return 0 if d["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

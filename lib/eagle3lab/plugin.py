@@ -1,0 +1,75 @@
+"""The vLLM general plugin: applies the EAGLE-3 patch in every process vLLM starts.
+
+vLLM loads each entry point of the group ``vllm.general_plugins`` once per process (the main process,
+the engine core, every tensor-parallel worker, the registry-inspection subprocess), so an in-process patch
+made in a notebook reaches processes the notebook never runs code in. pyproject.toml registers
+:func:`vllm_plugin` under the name ``eagle3lab``; ``EAGLE3LAB_PATCH`` (a JSON object) says what to apply.
+``VLLM_PLUGINS``, when set, is an allow-list: :func:`plugin_env` adds our name to it.
+
+Importing this module is cheap (no vLLM, no torch): every vLLM process does it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "EAGLE3LAB_PATCH"
+PLUGIN_NAME = "eagle3lab"
+_KEYS = ("apply", "force", "legacy_simulation")
+
+
+def parse_plugin_env(raw: str) -> dict[str, bool]:
+    """Parse ``EAGLE3LAB_PATCH`` (JSON object with boolean apply/force/legacy_simulation)."""
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{ENV_VAR} is not valid JSON ({exc}): {raw!r}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{ENV_VAR} must be a JSON object, got {raw!r}")
+    unknown = sorted(set(data) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"{ENV_VAR}: unknown keys {unknown} (allowed: {list(_KEYS)})")
+    out = {}
+    for k in _KEYS:
+        v = data.get(k, False)
+        if not isinstance(v, bool):
+            raise ValueError(f"{ENV_VAR}: {k} must be true or false, got {v!r}")
+        out[k] = v
+    return out
+
+
+def plugin_env(apply: bool, force: bool = False, legacy_simulation: bool = False) -> dict[str, str]:
+    """Environment variables that make every vLLM process started afterwards apply the patch.
+
+    Includes ``VLLM_PLUGINS`` only when it is already set (it is an allow-list) and lacks our name.
+    """
+    env = {ENV_VAR: json.dumps({"apply": apply, "force": force, "legacy_simulation": legacy_simulation})}
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None:
+        names = [n.strip() for n in allowed.split(",") if n.strip()]
+        if PLUGIN_NAME not in names:
+            env["VLLM_PLUGINS"] = ",".join([*names, PLUGIN_NAME])
+    return env
+
+
+def vllm_plugin() -> None:
+    """Entry point (group ``vllm.general_plugins``): apply what ``EAGLE3LAB_PATCH`` asks; never raises."""
+    raw = os.environ.get(ENV_VAR)
+    if not raw:
+        return
+    try:
+        from eagle3lab import patch
+
+        cfg = parse_plugin_env(raw)
+        if cfg["legacy_simulation"] and patch.LEGACY not in patch.applied():
+            rep = patch.simulate_legacy()
+            logger.info("eagle3lab legacy simulation: %s", rep.reason or "; ".join(rep.actions))
+        if cfg["apply"]:
+            rep = patch.apply(force=cfg["force"])
+            logger.info("eagle3lab patch (pid %d): %s", os.getpid(), rep.reason or f"{len(rep.actions)} changes")
+    except Exception as exc:  # vLLM does not guard general plugins: an exception here would kill it
+        logger.warning("eagle3lab: EAGLE-3 patch not applied in pid %d: %s", os.getpid(), exc)
