@@ -119,7 +119,8 @@ def table(rows: Any, caption: str | None = None, hide_index: bool = True) -> Non
     elif isinstance(rows, Mapping):
         df = pd.DataFrame([{"": k, "value": _cell(v)} for k, v in rows.items()])
     else:
-        df = pd.DataFrame(list(rows))
+        df = pd.DataFrame([{k: _cell(v, keep_float=True) for k, v in r.items()} if isinstance(r, Mapping) else r
+                           for r in rows])
     styler = df.style.hide(axis="index") if hide_index else df.style
     # Left-aligned text reads better than pandas' right-aligned default for our mostly textual tables.
     styler = styler.format(precision=4, thousands=",").set_table_styles(
@@ -129,9 +130,9 @@ def table(rows: Any, caption: str | None = None, hide_index: bool = True) -> Non
     display(styler)
 
 
-def _cell(v: Any) -> Any:
-    """Mapping values that pandas would show as raw Python (lists, dicts) become readable text."""
-    if isinstance(v, float):
+def _cell(v: Any, keep_float: bool = False) -> Any:
+    """Values that pandas would show as raw Python (lists, dicts) become readable text."""
+    if isinstance(v, float) and not keep_float:
         return f"{v:.4g}"
     if isinstance(v, (list, tuple)):
         return ", ".join(str(_cell(x)) for x in v)
