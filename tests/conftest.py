@@ -11,3 +11,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """The whole workbook on tests/smoke.yaml, run once per test session and shared (CI runs it once for the
+    end-to-end checks and the browser test). Returns the ``runner.RunResult``."""
+    from pathlib import Path
+
+    from eagle3lab import runner
+
+    root = Path(__file__).resolve().parents[1]
+    return runner.run(root / "tests" / "smoke.yaml", outputs=tmp_path_factory.mktemp("smoke"), progress=False)

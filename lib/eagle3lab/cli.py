@@ -64,7 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--check", metavar="ARCH", required=True, help="architecture to check, e.g. KimiK25ForConditionalGeneration")
     _add_params_args(pt)
     pt.add_argument("--json", action="store_true")
+
+    cmp = sub.add_parser("compare", help="write a side-by-side page of several run folders")
+    cmp.add_argument("runs", nargs="+", metavar="RUN", help="run folders (outputs/<run>/)")
+    cmp.add_argument("--out", metavar="DIR", help="folder for compare.html (default: compare-<time>/ next to the runs)")
     return ap
+
+
+def _cmd_compare(a: argparse.Namespace) -> int:
+    from eagle3lab import compare
+
+    print(f"report: {compare.write_compare(a.runs, a.out)}")
+    return 0
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
@@ -132,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``eagle3lab`` console script and ``python -m eagle3lab``."""
     a = build_parser().parse_args(argv)
     handlers = {"run": _cmd_run, "validate": _cmd_validate, "diagnose": _cmd_diagnose,
-                "lint-drafter": _cmd_lint, "patch": _cmd_patch}
+                "lint-drafter": _cmd_lint, "patch": _cmd_patch, "compare": _cmd_compare}
     try:
         return handlers[a.command](a)
     except InputError as exc:

@@ -1,0 +1,197 @@
+"""Report building blocks: noise removal, offline export with one plotly.js per folder, the overview page,
+the display helpers' contract (one display, no return value) and the lab profile choice."""
+
+import json
+import sys
+
+import nbformat
+import plotly.graph_objects as go
+import pytest
+
+from eagle3lab import overview, progress, report, workbook
+
+TQDM_REFRESHES = (
+    "\rtarget training:   0%|          | 0/30 [00:00<?, ?it/s]"
+    "\rtarget training:  47%|####7     | 14/30 [00:02<00:03,  5.31it/s, loss=5.470]"
+    "\rtarget training: 100%|##########| 30/30 [00:04<00:00,  6.05it/s, loss=5.067]\n"
+)
+IPROGRESS = ("/x/tqdm/auto.py:21: TqdmWarning: IProgress not found. Please update jupyter and ipywidgets.\n"
+             "  from .autonotebook import tqdm as notebook_tqdm\n")
+REAL_WARNING = "/x/y.py:3: UserWarning: the checkpoint has no generation_config\n"
+
+
+def test_progress_noise_is_dropped_and_real_warnings_kept():
+    assert report.drop_progress_noise(TQDM_REFRESHES) == ""
+    assert report.drop_progress_noise(IPROGRESS) == ""
+    assert report.drop_progress_noise(TQDM_REFRESHES + REAL_WARNING) == REAL_WARNING
+
+
+def _figure():
+    fig = go.Figure(go.Bar(x=[1, 2], y=[0.25, 0.8123456]))
+    fig.update_layout(title="acceptance")
+    return fig
+
+
+def _notebook():
+    nb = nbformat.v4.new_notebook()
+    fig_json = json.loads(_figure().to_json())
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    code = nbformat.v4.new_code_cell("show(fig)")
+    code.outputs = [
+        nbformat.v4.new_output("stream", name="stderr", text=TQDM_REFRESHES + IPROGRESS),
+        nbformat.v4.new_output("stream", name="stderr", text=REAL_WARNING),
+        nbformat.v4.new_output("display_data", data={report.PLOTLY_MIME: fig_json, "text/plain": "<fig>"}),
+        # a figure shown interactively: plotly.js inline in its HTML fallback
+        nbformat.v4.new_output("display_data", data={
+            report.PLOTLY_MIME: fig_json, "text/html": report.figure_html(_figure(), include_plotlyjs=True)}),
+        nbformat.v4.new_output("display_data", data={report.WIDGET_MIME: {"model_id": "a"},
+                                                     "text/html": "<p>static explorer view</p>"}),
+        nbformat.v4.new_output("display_data", data={report.WIDGET_MIME: {"model_id": "b"}, "text/plain": "w"}),
+    ]
+    nb.cells = [nbformat.v4.new_markdown_cell("# t"), code]
+    return nb
+
+
+def test_clean_outputs_keeps_content_only():
+    nb = report.clean_outputs(_notebook())
+    outs = nb.cells[1].outputs
+    assert "widgets" not in nb.metadata  # else nbconvert adds a CDN loader for widget state
+    assert [o.output_type for o in outs] == ["stream", "display_data", "display_data", "display_data"]
+    assert outs[0].text == REAL_WARNING
+    for o in outs[1:3]:
+        assert report.PLOTLY_MIME not in o.data and "Plotly.newPlot" in o.data["text/html"]
+        assert not report.inline_plotly_js(o.data["text/html"])
+    assert outs[3].data == {"text/html": "<p>static explorer view</p>"}  # the bare widget "b" is gone
+
+
+def test_export_stores_plotly_js_once_and_loads_it_relatively(tmp_path):
+    src = tmp_path / "nb.ipynb"
+    nbformat.write(_notebook(), str(src))
+    pages = [report.export_html(src, tmp_path / f"p{i}.html") for i in range(2)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nb.ipynb", "p0.html", "p1.html", "plotly.min.js"]
+    for p in pages:
+        text = p.read_text()
+        assert '<script src="plotly.min.js"></script>' in text
+        assert report.external_scripts(text) == [] and not report.inline_plotly_js(text)
+        assert "0.8123456" in text and "IProgress" not in text and "it/s" not in text
+        assert p.stat().st_size < 1_000_000
+    assert (tmp_path / "plotly.min.js").read_text().startswith("/**\n* plotly.js v")
+
+
+def test_external_scripts_flags_anything_not_relative():
+    page = ('<script src="plotly.min.js"></script><script src="https://cdn.x/a.js"></script>'
+            '<script src="//cdn.y/b.js"></script><script src="/abs.js"></script><script>var a;</script>')
+    assert report.external_scripts(page) == ["https://cdn.x/a.js", "//cdn.y/b.js", "/abs.js"]
+
+
+def test_cdn_plotly_is_refused():
+    with pytest.raises(ValueError):
+        report.figure_html(_figure(), include_plotlyjs="cdn")
+
+
+def test_table_and_show_display_once_and_return_none(monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda *a, **k: shown.append(a[0]))
+    monkeypatch.setenv(progress.BATCH_ENV, "1")
+    assert report.table({"tau": 1.5, "ids": [1, 2, 4]}) is None
+    assert report.table([{"a": 1, "b": [3, 4]}]) is None
+    assert report.show(_figure()) is None
+    assert len(shown) == 3
+    assert list(shown[0].data["value"]) == ["1.5", "1, 2, 4"] and list(shown[1].data["b"]) == ["3, 4"]
+    assert report.PLOTLY_MIME in shown[2] and "text/html" not in shown[2]  # batch: no plotly.js in the record
+    monkeypatch.setenv(progress.BATCH_ENV, "0")
+    report.setup_notebook_display()
+    report.show(_figure())
+    report.show(_figure())
+    assert report.inline_plotly_js(shown[3]["text/html"])  # interactive: the first figure carries plotly.js
+    assert not report.inline_plotly_js(shown[4]["text/html"])
+
+
+def test_progress_is_silent_in_batch_runs(monkeypatch):
+    monkeypatch.setenv(progress.BATCH_ENV, "1")
+    assert progress.progress(range(3), desc="x").disable
+    monkeypatch.delenv(progress.BATCH_ENV)
+    assert not progress.progress(range(3), desc="x", file=sys.stderr).disable
+    assert progress.progress(range(3), disable=True).disable
+
+
+def test_vllm_logs_are_routed_to_a_file(tmp_path, monkeypatch):
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", "")
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "1")
+    cfg = report.route_vllm_logs(tmp_path / "logs" / "vllm.log")
+    config = json.loads(cfg.read_text())
+    assert config["handlers"]["file"]["filename"] == str((tmp_path / "logs" / "vllm.log").resolve())
+    assert config["loggers"]["vllm"]["propagate"] is False
+    import os
+
+    assert os.environ["VLLM_LOGGING_CONFIG_PATH"] == str(cfg)
+    assert report.route_vllm_logs(tmp_path / "other.log") is None  # a config is set: left alone
+
+
+def test_workbook_record_conclude_caveat(tmp_path):
+    from eagle3lab import params
+
+    p = params.load(workbook.repo_root() / "tests" / "smoke.yaml")
+    wb = workbook.Workbook("05_acceptance", p, tmp_path)
+    assert wb.record("acceptance.k", 3) is None
+    wb.conclude("tau = 2 of 4")
+    wb.caveat("loops")
+    wb.caveat("loops")
+    m = workbook.read_metrics(tmp_path, "05_acceptance")
+    assert m == {"acceptance.k": 3, "conclusion": "tau = 2 of 4", "caveats": ["loops"]}
+
+
+def test_lab_profile_choice(tmp_path, monkeypatch):
+    (tmp_path / "params").mkdir()
+    for name in ("embedded", "other"):
+        (tmp_path / "params" / f"{name}.yaml").write_text("profile: x\n")
+    monkeypatch.delenv("EAGLE3LAB_PARAMS", raising=False)
+    assert workbook.lab_params_file(tmp_path) == tmp_path / "params" / "embedded.yaml"
+    (tmp_path / workbook.LAB_CHOICE).parent.mkdir()
+    (tmp_path / workbook.LAB_CHOICE).write_text(str(tmp_path / "params" / "other.yaml") + "\n")
+    assert workbook.lab_params_file(tmp_path) == tmp_path / "params" / "other.yaml"
+    monkeypatch.setenv("EAGLE3LAB_PARAMS", "/x/y.yaml")
+    assert str(workbook.lab_params_file(tmp_path)) == "/x/y.yaml"
+    assert str(workbook.lab_params_file(tmp_path, "/a.yaml")) == "/a.yaml"
+
+
+METRICS = {
+    "00_target": {"target.params": 208384, "target.heldout_ppl": 170.17, "target.unigram_entropy": 5.29,
+                  "target.train_steps_done": 30, "target.train_seconds": 5.6},
+    "02_patch": {"patch.verdict": "supported", "conclusion": "3 of 3 classes pass after the patch.",
+                 "patch.before.KimiK25ForConditionalGeneration.supports_eagle3": False,
+                 "patch.after.KimiK25ForConditionalGeneration.supports_eagle3": True},
+    "05_acceptance": {"acceptance.k": 3, "acceptance.mean_acceptance_length": 3.48, "acceptance.tau_ci95": [3.3, 3.6],
+                      "acceptance.conditional_rate": [0.895, 0.908, 0.954],
+                      "acceptance.cumulative_rate": [0.895, 0.813, 0.776], "acceptance.modelled_speedup": 2.1,
+                      "acceptance.cost_ratio": 0.18, "acceptance.degenerate": True,
+                      "acceptance.degenerate_reason": "77% of rounds accept every draft: the continuations are loops."},
+}
+STEPS = [{"name": n, "status": "ok", "seconds": 1.0, "html": f"{n}.html", "ipynb": f"{n}.ipynb", "error": ""}
+         for n in METRICS]
+
+
+def test_overview_page_groups_figures_with_context():
+    page = overview.index_html("run", STEPS, METRICS, {"profile": "smoke"})
+    assert "3.48 of a possible 4" in page and "95% interval over prompts 3.3 - 3.6" in page
+    assert "89.5% / 90.8% / 95.4%" in page and "conditional acceptance per position" in page
+    assert "MODELLED" in page and "measured speedup</td><td class='val'>not measured" in page
+    assert "3 of 3 classes pass after the patch." in page  # the notebook's own conclusion wins
+    assert "Trained a 208,384-parameter target" in page  # derived when the notebook gave none
+    assert "class='caveat'>&#9888; Degenerate data: 77% of rounds" in page
+    assert page.count('class="plotly-graph-div"') == 1 and '<script src="plotly.min.js">' in page
+    assert report.external_scripts(page) == []
+
+
+def test_overview_without_caveats_or_acceptance_has_no_banner_and_no_figure():
+    m = {k: v for k, v in METRICS.items() if k != "05_acceptance"}
+    page = overview.index_html("run", STEPS[:2], m, {})
+    assert "class='caveat" not in page and "plotly" not in page
+
+
+def test_overview_failed_run_says_so():
+    steps = [dict(STEPS[0], status="failed", error="RuntimeError: boom (cell [3])"),
+             dict(STEPS[1], status="skipped", html="", ipynb="")]
+    page = overview.index_html("run", steps, {}, {})
+    assert "The run failed at 00_target" in page and "RuntimeError: boom" in page
