@@ -9,6 +9,11 @@ pip017() { .venvs/vllm-0.17.0/bin/python -m pip install -q --disable-pip-version
   | { grep -v "^WARNING: Location" || true; }; }
 pip017 --no-deps -e .   # its own deps (torch, transformers 4, pydantic, ...) come with vLLM 0.17
 pip017 pytest
+# The browser test (tests/test_browser.py) opens the smoke run's pages in Debian's chromium, driven by
+# playwright's python package (never `playwright install`: it downloads browsers). CI runs as root.
+if ! command -v chromium >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
 .venv/bin/ruff check lib tests notebooks
 echo "== tests on vLLM 0.17.0 (legacy) =="
 .venvs/vllm-0.17.0/bin/python -m pytest -q -p no:cacheprovider tests/vllm "$@"
