@@ -85,8 +85,22 @@ def test_verify_mapping_with_right_padding(model):
     x = torch.randint(3, 320, (2, 8))
     mask = torch.ones_like(x)
     mask[1, 5:] = 0
-    assert H.verify_aux_mapping(model, x, [1, 3, 4]) < 1e-5
-    assert H.verify_aux_mapping(model, x, [1, 3, 4], mask) < 1e-5
+    assert H.verify_aux_mapping(model, x, [1, 3, 4], relative=True) < H.AUX_AGREEMENT_TOL
+    assert H.verify_aux_mapping(model, x, [1, 3, 4], mask, relative=True) < H.AUX_AGREEMENT_TOL
+
+
+def test_agreement_tolerance_catches_a_one_layer_shift(model, monkeypatch):
+    """The tolerance separates rounding from a wrong mapping: capturing the output of layer k (SGLang's
+    convention) instead of its input must fail the check by orders of magnitude."""
+    x = torch.randint(3, 320, (2, 8))
+    real = H.target_forward_with_aux
+
+    def shifted(m, ids, aux_ids, mask=None):
+        out = real(m, ids, [i + 1 for i in aux_ids], mask)
+        return H.TargetOutput(out.logits, out.aux, list(aux_ids))
+
+    monkeypatch.setattr(H, "target_forward_with_aux", shifted)
+    assert H.verify_aux_mapping(model, x, [1, 2], relative=True) > 100 * H.AUX_AGREEMENT_TOL
 
 
 def _shard_bytes(d):
@@ -138,9 +152,36 @@ def test_extraction_bf16_and_errors(model, tmp_path):
     s32 = H.extract_hidden_states(model, samples, [1, 2], tmp_path / "f32", progress=False)
     s16 = H.extract_hidden_states(model, samples, [1, 2], tmp_path / "bf16", dtype="bfloat16", progress=False)
     assert s16.bytes < 0.7 * s32.bytes
-    with pytest.raises(ValueError, match="dtype"):
-        H.extract_hidden_states(model, samples, [1, 2], tmp_path / "f32", dtype="bfloat16", progress=False)
+    with pytest.raises(ValueError, match="dtype changed"):
+        H.extract_hidden_states(model, samples, [1, 2], tmp_path / "f32", dtype="bfloat16", progress=False,
+                                on_stale="refuse")
     with pytest.raises(ValueError, match="aux_layer_ids"):
         H.extract_hidden_states(model, samples, [0, 2], tmp_path / "x", progress=False)
     with pytest.raises(FileNotFoundError):
         H.HiddenStateDataset(tmp_path / "nowhere")
+
+
+def test_changed_inputs_are_never_resumed(model, tmp_path):
+    """Provenance: other samples or another target make a finished extraction stale; it is redone (saying
+    which input changed) or refused, never resumed."""
+    samples = _samples(tmp_path / "samples.jsonl", n=5)
+    first = H.extract_hidden_states(model, samples, [1, 2], tmp_path / "h", shard_sequences=2, progress=False)
+    assert first.complete and first.rebuilt is None
+    again = H.extract_hidden_states(model, samples, [1, 2], tmp_path / "h", shard_sequences=2, progress=False)
+    assert again.rebuilt is None and again.tokens == first.tokens  # same inputs: resumed (nothing to do)
+    fp = H.HiddenStateDataset(tmp_path / "h").fingerprint
+
+    other_target = T.build_model(model.config, seed=1).eval()  # same shapes, other weights
+    with pytest.raises(ValueError, match="target_weights changed"):
+        H.extract_hidden_states(other_target, samples, [1, 2], tmp_path / "h", shard_sequences=2,
+                                progress=False, on_stale="refuse")
+    redo = H.extract_hidden_states(other_target, samples, [1, 2], tmp_path / "h", shard_sequences=2, progress=False)
+    assert redo.complete and "target_weights" in redo.rebuilt
+    ds = H.HiddenStateDataset(tmp_path / "h")
+    assert ds.fingerprint != fp
+    seq = torch.tensor([ds[0]["input_ids"].tolist()])
+    assert torch.allclose(ds[0]["aux"], H.target_forward_with_aux(other_target, seq, [1, 2]).aux[0], atol=1e-5)
+
+    _samples(samples, n=5, seed=9)  # regenerated samples, same ids
+    redo = H.extract_hidden_states(other_target, samples, [1, 2], tmp_path / "h", shard_sequences=2, progress=False)
+    assert redo.rebuilt is not None and "samples_sha256" in redo.rebuilt

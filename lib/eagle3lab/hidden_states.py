@@ -6,11 +6,17 @@ INPUT of decoder layer ``k`` (``hidden_states + residual``, i.e. the stream afte
 transformers decoder layer returns the full residual stream, so the input of layer ``k`` is exactly what
 vLLM sums. We capture it with forward pre-hooks on the layers (and on the final norm for ``num_layers``)
 instead of ``output_hidden_states``, whose last entry is post-norm in some models and versions.
+The id rules are :mod:`eagle3lab.aux_layers`'s.
+
+An extraction folder records what it was made from (the samples file's hash, the target's weights'
+fingerprint, the ids, dtype and width): a resumed extraction whose inputs changed starts afresh and says
+which input changed, instead of appending new shards to stale ones.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -20,6 +26,18 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from eagle3lab import aux_layers, provenance
+
+log = logging.getLogger(__name__)
+
+# Agreement of the hook capture with the hand computation (verify_aux_mapping), relative to the states'
+# scale: max|hooks - hand| / max|hand|. Both paths run the same float32 layers on the same inputs and
+# differ only in how the causal mask reaches attention, so they agree to rounding: 0.0 measured on the
+# test targets (CPU), and float32 rounding through a few layers stays below 1e-6. A wrong mapping is of
+# order 1 (one layer off: 0.25 on the tiny target). 1e-4 is far from both. In bfloat16 rounding alone
+# reaches ~1e-2, so the check is meant for float32 models.
+AUX_AGREEMENT_TOL = 1e-4
 
 
 @dataclass
@@ -48,24 +66,12 @@ def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module
 
 
 def check_aux_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Validate aux ids against vLLM's rules and return them sorted ascending."""
-    ids = [int(i) for i in aux_layer_ids]
-    if not ids:
-        raise ValueError("aux_layer_ids: empty; give at least one layer id")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"aux_layer_ids {ids}: duplicate ids")
-    bad = [i for i in ids if i <= 0]
-    if bad:
-        raise ValueError(
-            f"aux_layer_ids {ids}: id {bad[0]} is invalid; vLLM has no residual stream before layer 0, ids start at 1"
-        )
-    bad = [i for i in ids if i > num_layers]
-    if bad:
-        raise ValueError(
-            f"aux_layer_ids {ids}: id {bad[0]} out of range for a target with {num_layers} layers "
-            f"(max id {num_layers} = final pre-norm state)"
-        )
-    return sorted(ids)
+    """Validate aux ids against vLLM's rules (:mod:`eagle3lab.aux_layers`) and return them sorted ascending."""
+    try:
+        return aux_layers.check_aux_layer_ids(aux_layer_ids, num_layers)
+    except aux_layers.AuxLayerError as exc:
+        reasons = "; ".join(p.message for p in exc.problems)
+        raise ValueError(f"aux_layer_ids {exc.ids} for a target with {num_layers} layers: {reasons}") from None
 
 
 def _first_tensor_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -172,14 +178,23 @@ def verify_aux_mapping(
     input_ids: torch.Tensor,
     aux_layer_ids: Sequence[int],
     attention_mask: torch.Tensor | None = None,
+    relative: bool = False,
 ) -> float:
-    """Max abs difference between :func:`target_forward_with_aux` and :func:`hand_aux_states`."""
+    """Max abs difference between :func:`target_forward_with_aux` and :func:`hand_aux_states`.
+
+    With ``relative`` it is divided by the largest magnitude of the hand-computed states: the quantity
+    :data:`AUX_AGREEMENT_TOL` bounds.
+    """
     got = target_forward_with_aux(model, input_ids, aux_layer_ids, attention_mask).aux.float()
     ref = hand_aux_states(model, input_ids, aux_layer_ids, attention_mask).float()
     if attention_mask is not None:
         keep = attention_mask.bool()[..., None]
         got, ref = got * keep, ref * keep
-    return float((got - ref).abs().max())
+    diff = float((got - ref).abs().max())
+    if relative:
+        scale = float(ref.abs().max())
+        return diff / scale if scale > 0 else diff
+    return diff
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -201,6 +216,8 @@ class ExtractionStats:
     bytes_per_token: float
     complete: bool
     shards: int
+    # Why an existing extraction was discarded and redone (which input changed), or None.
+    rebuilt: str | None = None
 
 
 def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
@@ -217,7 +234,7 @@ def read_manifest(hidden_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _stats(manifest: dict[str, Any]) -> ExtractionStats:
+def _stats(manifest: dict[str, Any], rebuilt: str | None = None) -> ExtractionStats:
     s = manifest["stats"]
     tokens, secs, size = s["tokens"], s["seconds"], s["bytes"]
     return ExtractionStats(
@@ -229,6 +246,7 @@ def _stats(manifest: dict[str, Any]) -> ExtractionStats:
         bytes_per_token=size / tokens if tokens else float("nan"),
         complete=bool(manifest["complete"]),
         shards=len(manifest["shards"]),
+        rebuilt=rebuilt,
     )
 
 
@@ -244,6 +262,7 @@ def extract_hidden_states(
     target: str | Path | None = None,
     progress: bool = True,
     max_shards: int | None = None,
+    on_stale: str = "rebuild",
 ) -> ExtractionStats:
     """Run the target over prompt+response of every sample and store aux states in safetensors shards.
 
@@ -253,10 +272,18 @@ def extract_hidden_states(
     shard is written to a temp name and renamed, then the manifest is rewritten atomically, so a killed
     run resumes after its last complete shard with nothing lost or duplicated. ``max_shards`` stops after
     that many new shards (chunked runs, tests).
-    """
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
 
+    Provenance: the manifest records the samples file's sha256, the model's weights fingerprint
+    (:func:`eagle3lab.provenance.model_fingerprint`), the ids, dtype and width. An existing folder made
+    from other inputs is discarded and redone (``on_stale="rebuild"``, logged with the inputs that
+    changed, and reported in ``ExtractionStats.rebuilt``) or refused (``on_stale="refuse"``: ValueError
+    naming them).
+    """
+    if on_stale not in ("rebuild", "refuse"):
+        raise ValueError(f"on_stale {on_stale!r}: expected 'rebuild' or 'refuse'")
+    from safetensors.torch import save_file
+
+    from eagle3lab.progress import progress as progress_bar
     from eagle3lab.synthetic import read_samples
 
     if dtype not in _DTYPES:
@@ -273,31 +300,40 @@ def extract_hidden_states(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     mpath = out / MANIFEST
-    fresh = {
+    made_from = {
         "aux_layer_ids": ids,
         "hidden_size": hidden_size,
-        "num_aux": len(ids),
         "dtype": dtype,
+        "samples_sha256": provenance.sha256_file(samples_path),
+        "target_weights": provenance.model_fingerprint(model),
+    }
+    fresh = {
+        **made_from,
+        "num_aux": len(ids),
         "target": str(target) if target is not None else None,
         "complete": False,
         "shards": [],
         "stats": {"sequences": 0, "tokens": 0, "seconds": 0.0, "bytes": 0},
     }
     manifest = json.loads(mpath.read_text()) if mpath.is_file() else fresh
-    for key in ("aux_layer_ids", "hidden_size", "dtype"):
-        if manifest[key] != fresh[key]:
-            raise ValueError(
-                f"{mpath}: existing extraction has {key}={manifest[key]!r}, this run asks {fresh[key]!r}; "
-                "use another folder or delete this one"
-            )
+    rebuilt = None
+    stale = provenance.changed(manifest, made_from) if manifest is not fresh else []
+    if stale:
+        why = f"{mpath}: made from other inputs ({', '.join(stale)} changed)"
+        if on_stale == "refuse":
+            raise ValueError(f"{why}; use another folder, delete this one, or pass on_stale='rebuild'")
+        log.warning("%s: discarding %d shards and extracting afresh", why, len(manifest.get("shards", [])))
+        for rec in manifest.get("shards", []):
+            (out / rec["file"]).unlink(missing_ok=True)
+        manifest, rebuilt = fresh, why
     shards = [samples[i : i + shard_sequences] for i in range(0, len(samples), shard_sequences)]
     start = len(manifest["shards"])
     for j, rec in enumerate(manifest["shards"]):
         if j >= len(shards) or rec["ids"] != [s["id"] for s in shards[j]]:
             raise ValueError(f"{mpath}: shard {j} does not match the samples in {samples_path}; start afresh")
     out_dtype = _DTYPES[dtype]
-    bar = tqdm(total=sum(len(s) for s in shards), initial=sum(len(s) for s in shards[:start]),
-               desc="extracting hidden states", disable=not progress)
+    bar = progress_bar(total=sum(len(s) for s in shards), initial=sum(len(s) for s in shards[:start]),
+                       desc="extracting hidden states", disable=not progress)
     for written, j in enumerate(range(start, len(shards))):
         if max_shards is not None and written >= max_shards:
             break
@@ -345,10 +381,10 @@ def extract_hidden_states(
         _write_json_atomic(mpath, manifest)
         del tensors
     bar.close()
-    if len(manifest["shards"]) == len(shards) and not manifest["complete"]:
-        manifest["complete"] = True
+    if (len(manifest["shards"]) == len(shards) and not manifest["complete"]) or not mpath.is_file():
+        manifest["complete"] = len(manifest["shards"]) == len(shards)
         _write_json_atomic(mpath, manifest)
-    return _stats(manifest)
+    return _stats(manifest, rebuilt)
 
 
 class HiddenStateDataset(torch.utils.data.Dataset):
@@ -367,6 +403,13 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self._index = [(s, i) for s, rec in enumerate(self.manifest["shards"]) for i in range(len(rec["ids"]))]
         self.sample_ids = [sid for rec in self.manifest["shards"] for sid in rec["ids"]]
         self._open: tuple[int, Any] | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """What these states were made from (samples, target weights, ids, dtype) and which sequences:
+        a drafter checkpoint records it, so training never resumes on other data."""
+        keys = ("aux_layer_ids", "hidden_size", "dtype", "samples_sha256", "target_weights")
+        return provenance.sha256_json({**{k: self.manifest.get(k) for k in keys}, "ids": self.sample_ids})
 
     def __len__(self) -> int:
         return len(self._index)

@@ -1,0 +1,54 @@
+"""Fingerprints of what an artifact was made from, so that a resumed step never reuses stale work.
+
+A run folder in lab mode (``outputs/lab-<profile>/``) is reused across sessions: samples, hidden states and
+checkpoints resume from disk. Each artifact records the fingerprints of its inputs; a step that finds an
+artifact made from other inputs rebuilds it or refuses, and says which input changed (:func:`changed`).
+
+Standard library at import; torch only inside :func:`model_fingerprint`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: str | Path) -> str:
+    """sha256 of a file's bytes (for data files: samples, prompts)."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as fh:
+        for block in iter(lambda: fh.read(_CHUNK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """sha256 of an object's canonical JSON (sorted keys)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def model_fingerprint(model: Any, values_per_tensor: int = 16) -> str:
+    """A cheap fingerprint of a torch module's weights: every parameter's name, shape, dtype and first values.
+
+    Retraining or reinitialising a model changes the first values of (almost) every tensor, so this tells
+    two targets apart at the cost of a few bytes per tensor, even for a model too large to hash whole.
+    """
+    import torch
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            flat = p.detach().reshape(-1)[:values_per_tensor].to("cpu", torch.float64)
+            h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
+            h.update(flat.numpy().tobytes())
+    return h.hexdigest()
+
+
+def changed(stored: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """The keys of ``current`` whose value differs from ``stored`` (all of them when nothing was stored)."""
+    stored = stored or {}
+    return [k for k in current if stored.get(k) != current[k]]
