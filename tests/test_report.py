@@ -48,7 +48,9 @@ def _notebook():
                                                      "text/html": "<p>static explorer view</p>"}),
         nbformat.v4.new_output("display_data", data={report.WIDGET_MIME: {"model_id": "b"}, "text/plain": "w"}),
     ]
-    nb.cells = [nbformat.v4.new_markdown_cell("# t"), code]
+    injected = nbformat.v4.new_code_cell('# Parameters\nparams = {"profile": "smoke", "seed": 0}\nrun_dir = "/r"\n')
+    injected.metadata["tags"] = ["injected-parameters"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# t"), code, injected]
     return nb
 
 
@@ -62,6 +64,8 @@ def test_clean_outputs_keeps_content_only():
         assert report.PLOTLY_MIME not in o.data and "Plotly.newPlot" in o.data["text/html"]
         assert not report.inline_plotly_js(o.data["text/html"])
     assert outs[3].data == {"text/html": "<p>static explorer view</p>"}  # the bare widget "b" is gone
+    # papermill's one-line profile dict is replaced by a pointer to params.yaml; run_dir stays
+    assert "params =" not in nb.cells[2].source and 'run_dir = "/r"' in nb.cells[2].source
 
 
 def test_export_stores_plotly_js_once_and_loads_it_relatively(tmp_path):

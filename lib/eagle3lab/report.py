@@ -183,6 +183,10 @@ def clean_outputs(nb: Any) -> Any:
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
+        if "injected-parameters" in cell.get("metadata", {}).get("tags", []):
+            # papermill's one-line dict of the whole profile runs off the page; the run folder has it readable.
+            cell.source = ("# Parameters injected by `eagle3lab run`: the whole profile, as in params.yaml in the "
+                           "run folder\n" + "\n".join(ln for ln in cell.source.splitlines() if ln.startswith("run_dir")))
         outs = []
         for out in cell.get("outputs", []):
             if out.output_type == "stream":
