@@ -126,6 +126,21 @@ def test_resume_with_other_settings_refused(tmp_path: Path):
         train_drafter(make_drafter(), data, epochs=1, batch_size=2, lr=5e-3, checkpoint_dir=tmp_path, progress=False)
 
 
+def test_checkpoint_of_other_data_is_never_resumed(tmp_path: Path):
+    """A finished drafter on hidden states of another target/samples (another dataset fingerprint) is
+    refused, saying what changed, or retrained from scratch; never silently reused."""
+    old, new = make_data(4), make_data(4, seed=1)
+    old.fingerprint, new.fingerprint = "states-of-target-A", "states-of-target-B"
+    kw = dict(epochs=1, batch_size=2, checkpoint_dir=tmp_path, progress=False)
+    first = train_drafter(make_drafter(), old, **kw)
+    with pytest.raises(ValueError, match="data changed"):
+        train_drafter(make_drafter(), new, **kw)
+    again = train_drafter(make_drafter(), new, on_mismatch="restart", **kw)
+    assert again.resumed_from == 0 and again.steps == first.steps
+    assert again.losses != first.losses  # trained on the new data, not read back from the old checkpoint
+    assert train_drafter(make_drafter(), new, **kw).resumed_from == again.steps  # now it matches: resumed
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="empty"):
         train_drafter(make_drafter(), ListDataset([]), progress=False)
@@ -152,5 +167,9 @@ def test_train_drafter_for_target_reads_target_folder(tmp_path: Path):
     save_file({"model.embed_tokens.weight": emb, "lm_head.weight": head}, str(tmp_path / "model.safetensors"))
     d, r = train_drafter_for_target(tmp_path, make_data(4), 16, train_kw={"epochs": 1, "batch_size": 2, "progress": False})
     assert r.steps == 2 and d.config.aux_layer_ids == [1, 2] and d.config.draft_vocab_size == 16
+    from eagle3lab.train import build_drafter_for_target
+
+    _, cov = build_drafter_for_target(tmp_path, make_data(4), 16)
+    assert cov.target_vocab == V and cov.draft_vocab == 16 and 0 < cov.coverage <= 1
     assert d.config.intermediate_size == 48 and d.config.shared_embeddings
     assert torch.equal(d.embed_tokens.weight, emb)  # shared and frozen

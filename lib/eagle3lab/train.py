@@ -26,6 +26,7 @@ accuracy, so the accuracy is an honest proxy for acceptance. Total = sum_j decay
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -37,9 +38,12 @@ from typing import Any
 import plotly.graph_objects as go
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from eagle3lab.drafter import Eagle3Drafter, causal_mask, target_to_draft
+from eagle3lab import provenance
+from eagle3lab.drafter import Eagle3Drafter, VocabCoverage, causal_mask, target_to_draft, vocab_coverage
+from eagle3lab.progress import progress as progress_bar
+
+log = logging.getLogger(__name__)
 
 CKPT_NAME = "last.pt"
 
@@ -221,9 +225,10 @@ def _atomic_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _fingerprint(drafter: Eagle3Drafter, **hp: Any) -> dict[str, Any]:
-    # What must not change between an interrupted run and its resume.
-    return {"drafter_config": asdict(drafter.config), **hp}
+def _fingerprint(drafter: Eagle3Drafter, dataset: Any, **hp: Any) -> dict[str, Any]:
+    # What must not change between an interrupted run and its resume: the drafter's shape, the settings,
+    # and the data (a HiddenStateDataset's fingerprint names the samples and the target it came from).
+    return {"drafter_config": asdict(drafter.config), "data": getattr(dataset, "fingerprint", None), **hp}
 
 
 def train_drafter(
@@ -245,6 +250,7 @@ def train_drafter(
     progress: bool = True,
     resume: bool = True,
     stop_after: int | None = None,
+    on_mismatch: str = "refuse",
 ) -> TrainResult:
     """Train ``drafter`` in place on ``dataset`` (items {input_ids, loss_mask, aux}) with TTT.
 
@@ -253,7 +259,13 @@ def train_drafter(
     ``checkpoint_every`` steps and at the end; with ``resume`` an existing checkpoint is continued (the
     result equals an uninterrupted run). ``stop_after`` ends the run after that global step (after
     checkpointing), as an interruption would: for tests and time budgets.
+
+    A checkpoint written for another drafter, other settings or other data (the dataset's
+    ``fingerprint``: samples and target) is never resumed: ``on_mismatch="refuse"`` raises ValueError
+    naming what changed, ``"restart"`` logs it and trains from scratch.
     """
+    if on_mismatch not in ("refuse", "restart"):
+        raise ValueError(f"on_mismatch {on_mismatch!r}: expected 'refuse' or 'restart'")
     n = len(dataset)
     if n == 0:
         raise ValueError("train_drafter: the dataset is empty (no sequences to train on)")
@@ -279,7 +291,7 @@ def train_drafter(
     params = drafter.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     fp = _fingerprint(
-        drafter, ttt_steps=ttt_steps, ttt_decay=ttt_decay, batch_size=batch_size, lr=lr, warmup=warmup,
+        drafter, dataset, ttt_steps=ttt_steps, ttt_decay=ttt_decay, batch_size=batch_size, lr=lr, warmup=warmup,
         weight_decay=weight_decay, total_steps=total_steps, seed=seed, n=n, max_seq_len=max_seq_len,
     )
     result = TrainResult(total_steps=total_steps)
@@ -289,10 +301,18 @@ def train_drafter(
         ckpt_path.parent.mkdir(parents=True, exist_ok=True)
     if ckpt_path is not None and resume and ckpt_path.is_file():
         ck = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if ck["fingerprint"] != fp:
+        stale = provenance.changed(ck.get("fingerprint"), fp)
+        if stale and on_mismatch == "refuse":
             raise ValueError(
-                f"checkpoint {ckpt_path} was written by a run with other settings; delete it or pass resume=False"
+                f"checkpoint {ckpt_path} was written by a run with other settings or data ({', '.join(stale)} "
+                "changed); delete it, pass resume=False or on_mismatch='restart'"
             )
+        if stale:
+            log.warning("%s: written for other inputs (%s changed): training from scratch", ckpt_path, ", ".join(stale))
+            ck = None
+    else:
+        ck = None
+    if ck is not None:
         drafter.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         torch.set_rng_state(ck["rng"].cpu())  # map_location may have moved it to the GPU
@@ -318,7 +338,7 @@ def train_drafter(
         )
 
     t0 = time.perf_counter() - result.seconds
-    bar = tqdm(total=total_steps, initial=step, desc="drafter TTT", disable=not progress)
+    bar = progress_bar(total=total_steps, initial=step, desc="drafter TTT", disable=not progress)
     epoch_batches: dict[int, list[list[int]]] = {}
     while step < total_steps:
         epoch, i = divmod(step, steps_per_epoch)
@@ -391,7 +411,37 @@ def accuracy_figure(result: TrainResult, smooth: int = 10) -> go.Figure:
 
 
 # ----------------------------------------------------------------------------------------------------
-# one call: target folder + hidden states -> trained drafter (used by the aux-layer sweep)
+# a target folder + hidden states -> a drafter (04_train_drafter, and the aux-layer sweep)
+
+
+def build_drafter_for_target(
+    target_path: str | Path,
+    dataset: Any,
+    draft_vocab_size: int,
+    drafter_kw: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> tuple[Eagle3Drafter, VocabCoverage]:
+    """A fresh drafter for the saved target at ``target_path``, and how well its draft vocabulary covers the data.
+
+    Aux ids come from ``dataset.aux_layer_ids``; the draft vocabulary is the ``draft_vocab_size`` most
+    frequent response tokens; embeddings (and lm_head rows) are the target's when widths match.
+    ``drafter_kw`` goes to :func:`eagle3lab.drafter.build_drafter` (see :func:`eagle3lab.kwargs.drafter_kwargs`).
+    """
+    import json
+
+    from eagle3lab import drafter as drafter_mod
+
+    cfg = json.loads((Path(target_path) / "config.json").read_text())
+    text_cfg = cfg.get("text_config") or cfg
+    aux_ids = list(getattr(dataset, "aux_layer_ids", None) or [])
+    if not aux_ids:
+        raise ValueError("dataset has no aux_layer_ids: cannot size the drafter's fc")
+    counts = token_counts_from_dataset(dataset, int(text_cfg["vocab_size"]))
+    embed, head = drafter_mod.target_embedding_weights(target_path)
+    drafter = drafter_mod.build_drafter(
+        cfg, aux_ids, counts, draft_vocab_size, embed, head, seed=seed, **(drafter_kw or {})
+    )
+    return drafter, vocab_coverage(counts, drafter.t2d)
 
 
 def train_drafter_for_target(
@@ -402,22 +452,8 @@ def train_drafter_for_target(
     train_kw: dict[str, Any] | None = None,
     seed: int = 0,
 ) -> tuple[Eagle3Drafter, TrainResult]:
-    """Build a drafter for the saved target at ``target_path`` (aux ids from ``dataset.aux_layer_ids``) and train it.
-
-    ``drafter_kw`` goes to :func:`eagle3lab.drafter.build_drafter` (hidden_size, intermediate_size, heads),
-    ``train_kw`` to :func:`train_drafter`. The steps are those of 04_train_drafter, in one function.
-    """
-    import json
-
-    from eagle3lab import drafter as D
-
-    cfg = json.loads((Path(target_path) / "config.json").read_text())
-    text_cfg = cfg.get("text_config") or cfg
-    aux_ids = list(getattr(dataset, "aux_layer_ids", None) or [])
-    if not aux_ids:
-        raise ValueError("dataset has no aux_layer_ids: cannot size the drafter's fc")
-    counts = token_counts_from_dataset(dataset, int(text_cfg["vocab_size"]))
-    embed, head = D.target_embedding_weights(target_path)
-    drafter = D.build_drafter(cfg, aux_ids, counts, draft_vocab_size, embed, head, seed=seed, **(drafter_kw or {}))
+    """:func:`build_drafter_for_target`, then :func:`train_drafter` with ``train_kw``
+    (see :func:`eagle3lab.kwargs.train_kwargs`)."""
+    drafter, _ = build_drafter_for_target(target_path, dataset, draft_vocab_size, drafter_kw, seed)
     result = train_drafter(drafter, dataset, seed=seed, **(train_kw or {}))
     return drafter, result
