@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3lab.patch import run_layers_collecting_aux, validate_aux_ids
+from eagle3lab.patch import run_layers_collecting_aux
 
 
 class FakeLayer:
@@ -105,17 +105,3 @@ def test_hooks_run_before_collection() -> None:
 def test_id_zero_rejected_with_clear_error() -> None:
     with pytest.raises(ValueError, match="id 0"):
         run_layers_collecting_aux(_layers(3), torch.ones(1, 1), None, (0, 2), call=_call)
-
-
-@pytest.mark.parametrize(
-    ("ids", "num_layers", "match"),
-    [((-1,), None, "id 0"), ((2, 2), None, "duplicates"), ((2, 7), 6, "out of range")],
-)
-def test_validate_aux_ids_rejects(ids: tuple[int, ...], num_layers: int | None, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        validate_aux_ids(ids, num_layers)
-
-
-def test_validate_aux_ids_sorts() -> None:
-    assert validate_aux_ids([58, 2, 30], 61) == (2, 30, 58)
-    assert validate_aux_ids([6], 6) == (6,)

@@ -173,3 +173,13 @@ def test_train_drafter_for_target_reads_target_folder(tmp_path: Path):
     assert cov.target_vocab == V and cov.draft_vocab == 16 and 0 < cov.coverage <= 1
     assert d.config.intermediate_size == 48 and d.config.shared_embeddings
     assert torch.equal(d.embed_tokens.weight, emb)  # shared and frozen
+
+
+def test_accuracy_summary_follows_the_numbers():
+    from eagle3lab.train import accuracy_summary
+
+    assert accuracy_summary([0.937, 0.936, 0.934]).startswith("accuracy is nearly flat")
+    assert accuracy_summary([0.9, 0.8, 0.7]).startswith("accuracy falls from 0.900")
+    assert accuracy_summary([0.5, 0.6, 0.7]).startswith("accuracy rises")
+    assert accuracy_summary([0.031, 0.0, 0.016]).startswith("accuracy is low at every position")
+    assert "0.937 / 0.936 / 0.934" in accuracy_summary([0.937, 0.936, 0.934])

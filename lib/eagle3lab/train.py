@@ -410,6 +410,29 @@ def accuracy_figure(result: TrainResult, smooth: int = 10) -> go.Figure:
     return fig
 
 
+def accuracy_summary(accuracies: Sequence[float], flat: float = 0.02, low: float = 0.2) -> str:
+    """One sentence that describes per-position accuracies as they are (for the notebook's narrative).
+
+    Falls / rises when the last position differs from the first by more than ``flat``; "nearly flat"
+    otherwise; and "low at every position" when even the best is below ``low`` (then the shape says
+    nothing about compounding errors, only that the drafter learned little).
+    """
+    acc = [a for a in accuracies if not math.isnan(a)]
+    if not acc:
+        return "no accuracy was measured (no response tokens in the training data)"
+    shown = " / ".join(f"{a:.3f}" for a in acc)
+    if max(acc) < low:
+        return f"accuracy is low at every position ({shown}): too little training to say how positions compare"
+    if acc[0] - acc[-1] > flat:
+        return (f"accuracy falls from {acc[0]:.3f} at position 1 to {acc[-1]:.3f} at position {len(acc)} "
+                f"({shown}): the drafter's own states serve later positions less well than the target's features")
+    if acc[-1] - acc[0] > flat:
+        return (f"accuracy rises from {acc[0]:.3f} at position 1 to {acc[-1]:.3f} at position {len(acc)} "
+                f"({shown}): later positions are easier on this data")
+    return (f"accuracy is nearly flat across positions ({shown}): on this data the drafter's own states serve "
+            "later positions about as well as the target's features serve the first")
+
+
 # ----------------------------------------------------------------------------------------------------
 # a target folder + hidden states -> a drafter (04_train_drafter, and the aux-layer sweep)
 

@@ -16,7 +16,8 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
-from eagle3lab.lint import format_lint, lint_drafter, safetensors_shapes, sglang_default_ids  # noqa: E402
+from eagle3lab.aux_layers import sglang_default_ids  # noqa: E402
+from eagle3lab.lint import format_lint, lint_drafter, safetensors_shapes  # noqa: E402
 
 VERSION = tuple(int(p) for p in version("vllm").split(".")[:2])
 L, H, V = 61, 7168, 163840  # Kimi-K2.5's text stack
@@ -211,5 +212,7 @@ def test_architecture_acceptance(tmp_path):
 
 
 def test_missing_drafter_config(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    from eagle3lab.errors import InputError
+
+    with pytest.raises(InputError, match="config not found"):
         lint_drafter(tmp_path / "nope", _target(tmp_path))

@@ -14,13 +14,15 @@ The package follows the steps of a diagnosis, one module each:
 - :mod:`.sources`: where the refusal is raised and the front-end gate, in the installed sources;
 - :mod:`.aux_ids`: the aux ids vLLM would use (rules in :mod:`eagle3lab.aux_layers`);
 - :mod:`.verdict`: :func:`diagnose`, the verdict (native / patchable / unsupported) and the patch plan;
-- :mod:`.registry`: every registered architecture at once, from source (seconds instead of minutes).
+- :mod:`.registry`: every registered architecture at once, from source (seconds instead of minutes);
+- :mod:`.figures`: the members-per-level heatmap and the registry chart.
 
 ``from eagle3lab import diagnose as dg; dg.diagnose("KimiK25ForConditionalGeneration")`` is the entry.
 """
 
 from eagle3lab.aux_layers import aux_id_problems, default_aux_layer_ids
 from eagle3lab.diagnose.aux_ids import AuxIds, drafter_aux_ids, resolve_aux_ids
+from eagle3lab.diagnose.figures import interface_figure, registry_figure
 from eagle3lab.diagnose.levels import Level, level_chain
 from eagle3lab.diagnose.protocol import (
     InterfaceReport,
@@ -33,9 +35,9 @@ from eagle3lab.diagnose.registry import (
     RegistryCounts,
     RegistryRow,
     registry_counts,
-    registry_figure,
     registry_status,
     registry_table,
+    write_registry_csv,
 )
 from eagle3lab.diagnose.sources import Gate, SourceSite, evaluate_gates, find_raise_sites
 from eagle3lab.diagnose.target_info import TargetInfo, read_json_config, target_info, text_config_of
@@ -53,7 +55,7 @@ __all__ = [
     "FAMILY_CAUSAL_LM", "FAMILY_INNER_MODEL", "REFUSAL_MESSAGE", "STATUSES", "AuxIds", "Diagnosis", "Gate",
     "InterfaceReport", "Level", "PlanStep", "RegistryCounts", "RegistryRow", "SourceSite", "TargetInfo",
     "aux_id_problems", "default_aux_layer_ids", "diagnose", "drafter_aux_ids", "eagle3_protocol_members",
-    "evaluate_gates", "find_raise_sites", "format_diagnosis", "implemented_interfaces", "interface_report",
+    "evaluate_gates", "find_raise_sites", "format_diagnosis", "implemented_interfaces", "interface_figure", "interface_report",
     "level_chain", "read_json_config", "registry_counts", "registry_figure", "registry_status",
-    "registry_table", "resolve_aux_ids", "target_info", "text_config_of", "vllm_package_dir",
+    "registry_table", "resolve_aux_ids", "write_registry_csv", "target_info", "text_config_of", "vllm_package_dir",
 ]

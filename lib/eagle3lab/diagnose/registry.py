@@ -236,21 +236,15 @@ def registry_counts(rows: list[RegistryRow]) -> list[RegistryCounts]:
     return out
 
 
-def registry_figure(rows: list[RegistryRow], vllm_version: str) -> Any:
-    """Stacked bars per registry kind: native / patch needed / neither (they partition the rows)."""
-    import plotly.graph_objects as go
+def write_registry_csv(rows: list[RegistryRow], path: str | Path) -> Path:
+    """Every row (with its module and status) as CSV, for the rows a page cannot show."""
+    import csv
 
-    counts = [c for c in registry_counts(rows) if c.kind != "all"]
-    kinds = [c.kind for c in counts]
-    colors = {"native": "#54a24b", "patch needed": "#f58518", "neither": "#bab0ac"}
-    fig = go.Figure([
-        go.Bar(name=s, x=kinds, y=[getattr(c, s.replace(" ", "_")) for c in counts], marker_color=colors[s],
-               text=[getattr(c, s.replace(" ", "_")) for c in counts], textposition="inside")
-        for s in STATUSES
-    ])
-    fig.update_layout(
-        barmode="stack", height=380, title=f"EAGLE-3 support across vLLM {vllm_version}'s registry",
-        xaxis_title="registered generative models, by kind", yaxis_title="architectures",
-        legend_title_text="status",
-    )
-    return fig
+    out = Path(path)
+    with out.open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["architecture", "kind", "module", "class_name", "native_eagle3", "patchable", "status", "note"])
+        for r in rows:
+            writer.writerow([r.architecture, r.kind, r.module, r.class_name, r.native_eagle3, r.patchable,
+                             registry_status(r), r.note])
+    return out

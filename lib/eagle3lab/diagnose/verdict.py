@@ -58,6 +58,50 @@ class Diagnosis:
         """A JSON-able dict (levels include their interface reports)."""
         return json.loads(json.dumps(asdict(self), default=str))
 
+    # -- rows for tables (one dict per row, short values) ----------------------------------------------
+
+    def level_rows(self) -> list[dict[str, Any]]:
+        """The chain from the registered class to the model that runs the layers, one row per level."""
+        return [
+            {"level": lv.depth, "via": f".{lv.attribute}" if lv.attribute else "(registered)",
+             "class": lv.class_name,
+             "defined at": f"{lv.file.split('site-packages/')[-1]}:{lv.line}" if lv.file else lv.module,
+             "supports_eagle3": lv.supports_eagle3, "runs the layers": lv.runs_layers,
+             "forward collects aux": lv.forward_collects_aux}
+            for lv in self.levels
+        ]
+
+    def member_rows(self) -> list[dict[str, Any]]:
+        """Which members of the installed ``SupportsEagle3`` each level has ("yes" / "MISSING")."""
+        return [
+            {"class": lv.class_name,
+             **{m: "yes" if m in lv.interface.members_present else "MISSING" for m in self.protocol_members}}
+            for lv in self.levels
+        ]
+
+    def raise_site_rows(self) -> list[dict[str, Any]]:
+        """Where the installed vLLM raises the refusal."""
+        return [{"file:line": f"{s.file}:{s.line}", "function": s.function, "full message": s.exact}
+                for s in self.raise_sites]
+
+    def gate_rows(self) -> list[dict[str, Any]]:
+        """The front-end model_type gates and whether this target passes them."""
+        return [{"gate": f"{g.file}:{g.line}", "allow-list": ", ".join(g.allowed),
+                 "tests": f"{g.config_attr}.model_type", "target model_type": g.model_type, "passes": g.passes}
+                for g in self.gates]
+
+    def plan_rows(self) -> list[dict[str, Any]]:
+        """The patch plan, one row per change."""
+        return [{"step": i, "kind": s.kind, "target": s.target, "change": s.detail}
+                for i, s in enumerate(self.plan, 1)]
+
+    def metrics(self, key: str) -> dict[str, Any]:
+        """Flat metrics for a run record, under ``diagnose.<key>.``."""
+        out: dict[str, Any] = {f"diagnose.{key}.verdict": self.verdict}
+        for lv in self.levels:
+            out[f"diagnose.{key}.supports_eagle3.{lv.class_name}"] = lv.supports_eagle3
+        return out
+
 
 def _family_class(cls: type) -> type | None:
     """The DeepSeek-V2-family base in ``cls``'s MRO (where the patch puts the members), if any."""

@@ -1,0 +1,52 @@
+"""Figures of a diagnosis: the Protocol members per level, and the registry at a glance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagle3lab.diagnose.registry import STATUSES, RegistryRow, registry_counts
+from eagle3lab.diagnose.verdict import Diagnosis
+
+
+def interface_figure(diagnoses: list[Diagnosis], label: str) -> Any:
+    """Heatmap: for every level of every diagnosis, which Protocol members it has, and whether its forward
+    collects aux hidden states (green: present)."""
+    import plotly.graph_objects as go
+
+    members = diagnoses[0].protocol_members if diagnoses else []
+    levels = [(d.info.architecture, lv) for d in diagnoses for lv in d.levels]
+    cols = [*members, "forward collects aux"]
+    z = [[int(m in lv.interface.members_present) for m in members] + [int(bool(lv.forward_collects_aux))]
+         for _, lv in levels]
+    names = [f"{arch} · {'  ' * lv.depth}{lv.class_name}" for arch, lv in levels]
+    fig = go.Figure(go.Heatmap(
+        z=z, x=cols, y=names, zmin=0, zmax=1, showscale=False, xgap=2, ygap=2,
+        colorscale=[[0, "#e45756"], [1, "#54a24b"]],
+        text=[["yes" if v else "no" for v in row] for row in z], texttemplate="%{text}",
+    ))
+    fig.update_layout(
+        title=f"SupportsEagle3 members per level ({label})", height=140 + 40 * len(names),
+        xaxis_title="member of the installed SupportsEagle3 Protocol", yaxis_title="architecture · level",
+        yaxis_autorange="reversed", margin={"l": 20, "r": 20, "t": 60, "b": 20},
+    )
+    return fig
+
+
+def registry_figure(rows: list[RegistryRow], vllm_version: str) -> Any:
+    """Stacked bars per registry kind: native / patch needed / neither (they partition the rows)."""
+    import plotly.graph_objects as go
+
+    counts = [c for c in registry_counts(rows) if c.kind != "all"]
+    kinds = [c.kind for c in counts]
+    colors = {"native": "#54a24b", "patch needed": "#f58518", "neither": "#bab0ac"}
+    fig = go.Figure([
+        go.Bar(name=s, x=kinds, y=[getattr(c, s.replace(" ", "_")) for c in counts], marker_color=colors[s],
+               text=[getattr(c, s.replace(" ", "_")) for c in counts], textposition="inside")
+        for s in STATUSES
+    ])
+    fig.update_layout(
+        barmode="stack", height=380, title=f"EAGLE-3 support across vLLM {vllm_version}'s registry",
+        xaxis_title="registered generative models, by kind", yaxis_title="architectures",
+        legend_title_text="status",
+    )
+    return fig
