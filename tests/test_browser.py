@@ -10,6 +10,7 @@ playwright is missing the test is skipped, except under CI (``CI=true``), where 
 both, so a missing install fails instead of hiding.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -56,17 +57,21 @@ def browser():
 
 def _visit(browser, path: Path, shot: Path) -> dict:
     """Open one page from disk; return what it drew and fetched."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     remote, errors = [], []
     page.on("request", lambda r: remote.append(r.url) if not r.url.startswith(("file:", "data:", "blob:", "about:")) else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(path.resolve().as_uri(), wait_until="load")
     figures = page.locator(".plotly-graph-div").count()
-    if figures:  # plotly draws asynchronously
-        page.wait_for_function("() => [...document.querySelectorAll('.plotly-graph-div')]"
-                               ".every(d => d.querySelector('svg.main-svg .plot'))", timeout=30_000)
-    drawn = page.evaluate("() => [...document.querySelectorAll('.plotly-graph-div')]"
-                          ".filter(d => d.querySelector('svg.main-svg .plot')).length")
+    # a figure is drawn when plotly made its SVG and put a trace in it (a heatmap draws an image)
+    is_drawn = "d => d.querySelector('svg.main-svg') && d.querySelector('svg.main-svg .trace, svg.main-svg .hm image')"
+    if figures:  # plotly draws asynchronously; a figure that never draws is reported below, by count
+        with contextlib.suppress(PlaywrightTimeout):
+            page.wait_for_function(f"() => [...document.querySelectorAll('.plotly-graph-div')].every({is_drawn})",
+                                   timeout=20_000)
+    drawn = page.evaluate(f"() => [...document.querySelectorAll('.plotly-graph-div')].filter({is_drawn}).length")
     text = page.inner_text("body")
     prompts = page.eval_on_selector_all(".jp-OutputPrompt", "els => els.map(e => e.textContent.trim())")
     links = page.eval_on_selector_all("a[href]", "els => els.map(e => e.getAttribute('href'))")
@@ -81,7 +86,7 @@ def test_every_page_opens_offline_and_draws(smoke_run, browser):
     run_dir = smoke_run.run_dir
     pages = sorted(run_dir.glob("*.html"))
     steps = json.loads((run_dir / "metrics.json").read_text())["steps"]
-    assert [p.name for p in pages] == ["index.html"] + [s["html"] for s in steps if s["html"]]
+    assert [p.name for p in pages] == sorted(["index.html"] + [s["html"] for s in steps if s["html"]])
     shots = ROOT / "outputs" / "browser-test" / run_dir.name
     shots.mkdir(parents=True, exist_ok=True)
 

@@ -270,7 +270,7 @@ def acceptance_figure(m: Mapping[str, Any]) -> Any | None:
     tau, k = m.get("acceptance.mean_acceptance_length"), m.get("acceptance.k")
     title = "Acceptance per draft position" + (f" (tau = {num(tau)} of {k + 1})" if tau is not None and k else "")
     fig.update_layout(title=title, xaxis_title="draft position", yaxis_title="acceptance rate", yaxis_range=[0, 1],
-                      xaxis_dtick=1, barmode="group", height=380, legend=dict(orientation="h", y=-0.25),
+                      xaxis_dtick=1, barmode="group", height=380, legend=dict(orientation="h", y=-0.25), showlegend=True,
                       margin=dict(l=60, r=20, t=50, b=90))
     return fig
 
@@ -281,7 +281,7 @@ text-align:left;vertical-align:top}th{background:#f6f8fa}.err{color:#cf222e;whit
 .caveat{background:#fff8c5;border:1px solid #d4a72c;padding:.7em 1em;margin:1em 0;border-radius:6px}
 .failed{background:#ffebe9;border:1px solid #cf222e}.ctx{color:#59636e;font-size:.92em}
 .groups table td:nth-child(1){width:28%}.groups table td:nth-child(2){width:27%}
-td{overflow-wrap:anywhere}h3{margin:.8em 0 .3em}.val{font-weight:600}"""
+td{overflow-wrap:anywhere}td.step{white-space:nowrap;overflow-wrap:normal}h3{margin:.8em 0 .3em}.val{font-weight:600}"""
 
 _STATUS_COLOR = {"ok": "#1a7f37", "failed": "#cf222e", "skipped": "#6e7781"}
 
@@ -326,7 +326,7 @@ def index_html(
                                   for key, label in (("html", "report"), ("ipynb", "notebook")) if s.get(key))
         said = (metrics.get(s["name"]) or {}).get(CONCLUSION_KEY) or conclusion(s["name"], m)
         said_html = f"<div class='err'>{e(s['error'])}</div>" if s.get("error") else e(said)
-        rows.append(f"<tr><td>{e(s['name'])}</td><td style='color:{color};font-weight:600'>{e(s['status'])}</td>"
+        rows.append(f"<tr><td class='step'>{e(s['name'])}</td><td style='color:{color};font-weight:600'>{e(s['status'])}</td>"
                     f"<td>{s.get('seconds', 0):.0f} s</td><td>{said_html}</td><td>{links}</td></tr>")
     groups = headline(m)
     fig = acceptance_figure(m)
