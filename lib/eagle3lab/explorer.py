@@ -117,14 +117,14 @@ class Explorer:
         if not self.runs:
             raise FileNotFoundError(f"no run with {RECORDS} under {', '.join(map(str, folders))}")
         self._records: dict[Path, list[dict[str, Any]]] = {}
-        style = {"description_width": "6em"}  # room for "temperature"
+        kw = {"style": {"description_width": "7em"}, "layout": widgets.Layout(width="24em")}  # room for "temperature"
         self.run = widgets.Dropdown(options=[(p.name, p) for p in self.runs], value=self.runs[-1], description="run",
-                                    style=style)
-        self.drafter = widgets.Dropdown(description="aux layers", style=style)
-        self.k = widgets.Dropdown(description="k", style=style)
-        self.split = widgets.Dropdown(description="prompts", style=style)
-        self.temperature = widgets.Dropdown(description="temperature", style=style)
-        self.prompt = widgets.Dropdown(description="prompt", style=style)
+                                    **kw)
+        self.drafter = widgets.Dropdown(description="aux layers", **kw)
+        self.k = widgets.Dropdown(description="k", **kw)
+        self.split = widgets.Dropdown(description="prompts", **kw)
+        self.temperature = widgets.Dropdown(description="temperature", **kw)
+        self.prompt = widgets.Dropdown(description="prompt", **kw)
         self.out = widgets.Output()
         self._busy = False
         self._fill_choices()
