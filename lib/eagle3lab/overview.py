@@ -103,7 +103,7 @@ def headline(m: Mapping[str, Any]) -> list[Group]:
                    f"a context-free unigram model scores {num(math.exp(h))}; lower is better" if h else "")
     if m.get("target.train_steps_done") is not None:
         target.add("training", f"{num(m['target.train_steps_done'])} steps, {num(m.get('target.train_seconds'))} s",
-                   f"{num(m.get('target.num_layers'))} layers")
+                   f"{num(m['target.num_layers'])} layers" if m.get("target.num_layers") else "")
 
     vllm = Group("vLLM: refusal and patch")
     if m.get("diagnose.vllm_version"):
@@ -233,7 +233,8 @@ def conclusion(step: str, m: Mapping[str, Any]) -> str:
         cond = m.get("acceptance.conditional_rate")
         return (f"tau = {num(m['acceptance.mean_acceptance_length'])} of a possible {k + 1 if k else '?'} at k = {k}"
                 + (f"; conditional acceptance {seq(cond, pct)}" if cond else "")
-                + f"; outputs equal greedy: {yesno(m.get('acceptance.outputs_match_greedy'))}.")
+                + (f"; outputs equal greedy: {yesno(m['acceptance.outputs_match_greedy'])}"
+                   if m.get("acceptance.outputs_match_greedy") is not None else "") + ".")
     return ""
 
 
