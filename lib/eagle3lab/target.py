@@ -325,7 +325,7 @@ def train_target(
     ``time_budget_s`` stops after the step that crosses that wall time (the result says how many steps
     ran). On CUDA the forward runs under bf16 autocast (fp32 master weights): the GPU profile's budget.
     """
-    from eagle3lab.progress import progress as tqdm  # silent in batch runs (report: one-line change)
+    from eagle3lab.progress import progress as tqdm  # silent in batch runs
 
     if steps < 1 or batch_size < 1 or seq_len < 2:
         raise ValueError(f"steps, batch_size and seq_len must be positive (got {steps}, {batch_size}, {seq_len})")
