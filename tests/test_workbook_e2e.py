@@ -1,17 +1,44 @@
-"""The real workbook, 00 through 05, end to end on the smoke profile, read back from its record."""
+"""The real workbook, 00 through 05, end to end on the smoke profile, read back from its record.
 
+Regression bands: the figures of a measured run of this profile, on the code of 2026-11-29 21:05 UTC
+(after the embedded target's MLA dims changed; the smoke profile sets its own dims), CPU, seed 0:
+
+    target.heldout_ppl 170.17 (loss 5.137; unigram entropy 5.287 nats = perplexity 197.8)
+    train.final_loss 12.81 after 4 TTT steps
+    acceptance.mean_acceptance_length 1.703 (per position 0.703 / 0.0 / 0.0, 37 drafts)
+    hidden.verify_max_abs_diff 0.0
+
+Everything is seeded and runs on the CPU, so a rerun differs only by thread-count rounding (far below the
+bands). The bands are narrow enough to fail on a broken pipeline: a target that learns nothing beyond
+token frequencies sits at the unigram perplexity (197.8, outside [160, 182]); an untrained one near the
+vocabulary size (512); and acceptance or training figures move by more than the bands when a step
+changes what it computes. When a change is meant to move a figure, rerun the profile and re-pin here,
+saying why.
+"""
+
+import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from eagle3lab import report, runner
+from eagle3lab.hidden_states import AUX_AGREEMENT_TOL
 
 ROOT = Path(__file__).resolve().parents[1]
-pytest.importorskip("vllm")
+
+# (low, high) per metric; see the module docstring for the measured values.
+BANDS = {
+    "target.heldout_ppl": (160.0, 182.0),
+    "train.final_loss": (11.5, 14.1),
+    "acceptance.mean_acceptance_length": (1.5, 1.9),
+}
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="01 and 02 diagnose and patch the installed vLLM; without one the workbook cannot run")
 def test_smoke_workbook_end_to_end(tmp_path):
     res = runner.run(ROOT / "tests" / "smoke.yaml", outputs=tmp_path, progress=False)
     summary = json.loads((res.run_dir / "metrics.json").read_text())
@@ -22,21 +49,26 @@ def test_smoke_workbook_end_to_end(tmp_path):
     m = {k: v for nb in summary["metrics"].values() for k, v in nb.items()}
 
     # 01/02: the legacy simulation reproduces the refusal; the patch lifts it for the wrapper that vLLM checks.
+    assert m["diagnose.target.verdict"] == "patchable"
     assert m["patch.before.KimiK25ForConditionalGeneration.supports_eagle3"] is False
     assert m["patch.after.KimiK25ForConditionalGeneration.supports_eagle3"] is True
-    # 00: a trained target; 03: data and aux states at the configured ids; 05: a real measurement.
-    assert m["target.heldout_ppl"] > 1.0
+    # 00: the target learned context, not only token frequencies (an independent baseline: the unigram entropy).
+    assert m["target.heldout_loss"] < m["target.unigram_entropy"] - 0.05
+    assert math.isclose(m["target.heldout_ppl"], math.exp(m["target.heldout_loss"]), rel_tol=1e-6)
+    # 03: aux states at the configured ids, captured exactly as the hand computation gives them.
     assert m["hidden.aux_layer_ids"] == [1, 2, 4]
-    assert m["hidden.verify_max_abs_diff"] < 1e-4
+    assert m["hidden.verify_max_abs_diff"] < AUX_AGREEMENT_TOL
+    # 05: speculative decoding does not change the output; counters are consistent.
     assert m["acceptance.outputs_match_greedy"] is True
-    assert 1.0 <= m["acceptance.mean_acceptance_length"] <= 4.0
-    assert len(m["acceptance.per_position_rate"]) == 3
-    # the per-layer comparison: the 04 drafter and one more choice of target layers
-    assert list(m["acceptance.layer_sweep"]) == ["[1, 2, 4] (04)", "[2, 3, 4]"]
-    assert all(s["num_drafts"] > 0 for s in m["acceptance.layer_sweep"].values())
+    rates = m["acceptance.per_position_rate"]
+    assert len(rates) == 3 and all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    assert math.isclose(m["acceptance.mean_acceptance_length"], 1 + sum(rates), rel_tol=1e-9)
+
+    out_of_band = {k: m[k] for k, (lo, hi) in BANDS.items() if not lo <= m[k] <= hi}
+    assert not out_of_band, f"outside the regression bands {BANDS}: {out_of_band}"
 
     for step in summary["steps"]:
         html = (res.run_dir / step["html"]).read_text()
         assert report.external_scripts(html) == [], step["name"]
     index = (res.run_dir / "index.html").read_text()
-    assert "05_acceptance.html" in index and "acceptance.mean_acceptance_length" in index
+    assert "05_acceptance.html" in index
