@@ -73,12 +73,65 @@ def test_overrides_are_typed_and_validated(tmp_path):
         params.load(ROOT / "params" / "embedded.yaml", ["novalue"])
 
 
+def test_every_problem_is_listed_one_line_each(tmp_path):
+    f = _write(tmp_path, {"profile": "x", "drafter": {"aux_layer_ids": [0, 3, 3, 9]},
+                          "engine": {"tensor_parallel_size": 2}})
+    with pytest.raises(params.ParamsError) as e:
+        params.load(f)
+    lines = str(e.value).splitlines()
+    assert len(lines) == 4 and all(line.startswith(f"{f}: ") for line in lines)
+    fields = [field for field, _ in e.value.field_problems]
+    assert fields == ["engine.tensor_parallel_size", *["drafter.aux_layer_ids"] * 3]
+    assert "more problem" not in str(e.value)
+    # field-level (type) errors are all listed too
+    f = _write(tmp_path, {"profile": "x", "train": {"epochs": "many", "batch_size": 0}, "seed": "s"}, "t.yaml")
+    with pytest.raises(params.ParamsError) as e:
+        params.load(f)
+    assert sorted(field for field, _ in e.value.field_problems) == ["seed", "train.batch_size", "train.epochs"]
+
+
+def test_relative_paths_resolve_against_the_repo_root(tmp_path, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"architectures": ["X"], "num_hidden_layers": 61}))
+    monkeypatch.chdir(tmp_path)  # not the repository: the profile's prompts_file is relative to the repo
+    p = params.load(ROOT / "params" / "kimi-k2.5-8gpu.yaml", [f"target.path={ckpt}"])
+    assert p.data.prompts_file == ROOT / "params" / "prompts" / "sample-prompts.jsonl"
+    assert p.data.prompts_file.is_file()
+    # a relative target.path is the repository's too (here: one that does not exist there)
+    with pytest.raises(params.ParamsError) as e:
+        params.load(ROOT / "params" / "kimi-k2.5-8gpu.yaml", ["target.path=ckpt"])
+    assert e.value.field == "target.path" and str(ROOT / "ckpt") in e.value.reason
+
+
 def test_cli_validate_exit_codes(tmp_path):
     bad = _write(tmp_path, {"profile": "x", "train": {"epochs": 0}})
     r = subprocess.run([sys.executable, "-m", "eagle3lab", "validate", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2
     assert f"{bad}: train.epochs:" in r.stderr and r.stderr.count("\n") == 1
+    two = _write(tmp_path, {"profile": "x", "train": {"epochs": 0, "batch_size": 0}}, "two.yaml")
+    r = subprocess.run([sys.executable, "-m", "eagle3lab", "validate", str(two)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("eagle3lab: error:") == 2
     ok = subprocess.run([sys.executable, "-m", "eagle3lab", "validate", str(ROOT / "params" / "embedded.yaml")],
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert yaml.safe_load(ok.stdout)["profile"] == "embedded"
+
+
+def test_cli_failure_of_the_work_is_not_bad_input(tmp_path, monkeypatch, capsys):
+    """Exit 2 is for bad input only; an exception during the work gets exit 3 and its type."""
+    from eagle3lab import cli, runner
+
+    def broken(*a, **k):
+        raise RuntimeError("the legacy simulation cannot apply to these classes")
+
+    monkeypatch.setattr(runner, "run", broken)
+    assert cli.main(["run", "--params", str(ROOT / "params" / "embedded.yaml")]) == 3
+    err = capsys.readouterr().err
+    assert "failed: RuntimeError: the legacy simulation cannot apply" in err
+
+    def bad_value(*a, **k):
+        raise ValueError("a ValueError inside the work")
+
+    monkeypatch.setattr(runner, "run", bad_value)
+    assert cli.main(["run"]) == 3  # a ValueError is not bad input unless it is an InputError
