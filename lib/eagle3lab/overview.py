@@ -310,8 +310,10 @@ def index_html(
     steps: Iterable[Mapping[str, Any]],
     metrics: Mapping[str, Mapping[str, Any]],
     info: Mapping[str, Any],
+    files: Iterable[str] = ("metrics.json", "run.log", "params.yaml"),
 ) -> str:
-    """The run's index page from its steps, the per-notebook metrics and the run facts."""
+    """The run's index page from its steps, the per-notebook metrics, the run facts and the run folder's
+    other files worth a link (relative paths)."""
     e = escape
     m = merged(metrics)
     steps = list(steps)
@@ -341,6 +343,5 @@ def index_html(
 <h2>Headline figures</h2>{groups_html(groups) if groups else '<p>none recorded</p>'}
 {fig_html}
 <h2>Run</h2><table>{facts}</table>
-<p><a href="metrics.json">metrics.json</a> &middot; <a href="run.log">run.log</a> &middot;
-<a href="params.yaml">params.yaml</a></p>"""
+<p>{' &middot; '.join(f'<a href="{e(f)}">{e(f)}</a>' for f in files)}</p>"""
     return page(title, body, with_plotly=bool(fig_html))

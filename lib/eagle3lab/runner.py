@@ -151,7 +151,8 @@ def _write_summary(result: RunResult, p: params_mod.Params, info: dict[str, Any]
     }
     (result.run_dir / "metrics.json").write_text(json.dumps(summary, indent=2, sort_keys=False))
     title = f"eagle3lab run {result.run_dir.name}"
-    page = overview.index_html(title, [asdict(s) for s in result.steps], metrics, info)
+    files = [f for f in ("metrics.json", "run.log", "params.yaml", "logs/vllm.log") if (result.run_dir / f).is_file()]
+    page = overview.index_html(title, [asdict(s) for s in result.steps], metrics, info, files)
     if overview.FIGURE_MARK in page:
         report.write_plotly_js(result.run_dir)
     (result.run_dir / "index.html").write_text(page, encoding="utf-8")
