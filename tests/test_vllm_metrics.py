@@ -17,7 +17,7 @@ import pytest
 
 from eagle3lab.acceptance import stats_from_vllm_metrics
 
-FIXTURES = sorted((Path(__file__).resolve().parents[1] / "fixtures").glob("vllm_metrics_*.json"))
+FIXTURES = sorted((Path(__file__).resolve().parent / "fixtures").glob("vllm_metrics_*.json"))
 if not FIXTURES:
     pytestmark = pytest.mark.skip(
         reason="no tests/fixtures/vllm_metrics_*.json yet: they come from a real engine on a GPU "
