@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from eagle3lab import acceptance as A
 from eagle3lab.acceptance import (
     SpecDecodeStats,
     acceptance_length_figure,
@@ -85,3 +86,83 @@ def test_figures_and_table():
     assert len(fig.data) == 2
     with pytest.raises(ValueError):
         layer_sweep_figure({})
+
+
+def test_conditional_and_cumulative_rates():
+    s = SpecDecodeStats()
+    for a in (3, 3, 1, 0):  # 4 rounds: position 1 reached 4x accepted 3x; position 2 reached 3x accepted 2x; ...
+        s.record_round(3, a)
+    assert s.per_position_rate == [0.75, 0.5, 0.5]
+    assert s.conditional_rate == [0.75, 2 / 3, 1.0]  # cumulative falls, conditional rises
+    never = SpecDecodeStats()
+    never.record_round(2, 0)
+    assert never.conditional_rate[0] == 0.0 and math.isnan(never.conditional_rate[1])
+
+
+def _prompt(accepts, k=3):
+    s = SpecDecodeStats()
+    for a in accepts:
+        s.record_round(k, a)
+    return s
+
+
+def test_prompt_intervals_pool_and_cover():
+    per = [_prompt([3, 3, 2]), _prompt([0, 1, 0, 0]), _prompt([3, 2, 3])]
+    iv = A.prompt_intervals(per, num_boot=500, seed=1)
+    pooled = sum(per)
+    assert iv.tau.value == pytest.approx(pooled.mean_acceptance_length)
+    assert [c.value for c in iv.cumulative] == pytest.approx(pooled.per_position_rate)
+    assert [c.value for c in iv.conditional] == pytest.approx(pooled.conditional_rate)
+    assert iv.tau.lo <= iv.tau.value <= iv.tau.hi and iv.tau.lo < iv.tau.hi
+    assert iv.per_prompt_tau == [p.mean_acceptance_length for p in per]
+    # Identical prompts: the bootstrap has nothing to vary.
+    same = A.prompt_intervals([_prompt([2, 1])] * 5, num_boot=200)
+    assert same.tau.lo == same.tau.hi == same.tau.value
+    assert A.prompt_intervals(per, num_boot=500, seed=1) == iv  # seeded
+    with pytest.raises(ValueError, match="no prompt"):
+        A.prompt_intervals([SpecDecodeStats()])
+    rows = A.interval_table(iv)
+    assert len(rows) == 3 and "[" in rows[0]["conditional (accepted at i / reached i)"]
+    assert len(A.rates_figure(iv).data) == 2
+    assert "cumulative rate goes from" in A.position_trend(iv)
+
+
+def test_position_trend_follows_the_numbers():
+    rising = A.prompt_intervals([_prompt([3, 3, 3, 0, 0, 0, 3, 3])] * 3, num_boot=100)
+    # conditional 0.625 then 1.0, 1.0 with no spread: a real rise
+    assert "rise" in A.position_trend(rising)
+    falling = A.prompt_intervals([_prompt([1, 1, 1, 1, 2, 3])] * 3, num_boot=100)
+    assert "fall with the position" in A.position_trend(falling)
+
+
+def test_modelled_speedup():
+    assert A.modelled_speedup(3.0, 3, 0.0) == 3.0
+    assert A.modelled_speedup(3.0, 3, 0.1) == pytest.approx(3.0 / 1.3)
+    with pytest.raises(ValueError):
+        A.modelled_speedup(3.0, 0, 0.1)
+
+
+def test_records_round_trip_and_token_view(tmp_path):
+    from eagle3lab.speculate import DecodeTrace, Round
+
+    st = _prompt([2, 0])
+    tr = DecodeTrace(output=[5, 6, 7, 8, 9], stats=st,
+                     rounds=[Round(1, [6, 7, 1], 2, [6, 7, 8]), Round(4, [4, 4, 4], 0, [9])])
+
+    class Tok:
+        def decode(self, ids):
+            return "".join("<&>" if i == 9 else chr(97 + i) for i in ids)
+
+    rec = A.make_record(tr, config="heldout/main/k3/T0", split="heldout", drafter="main", aux_layer_ids=[5, 1, 3],
+                        k=3, temperature=0.0, prompt_index=4, prompt_ids=[1, 2], tokenizer=Tok())
+    assert rec["aux_layer_ids"] == [1, 3, 5] and rec["source"] == "decoded"
+    assert rec["output_pieces"] == ["f", "g", "h", "i", "<&>"]
+    path = A.write_records(tmp_path / "a" / A.RECORDS, [rec])
+    A.write_records(path, [rec], append=True)
+    back = A.read_records(path)
+    assert back == [rec, rec]
+    assert A.stats_from_record(back[0]) == st
+    html = A.token_view_html(back[0])
+    assert "&lt;&amp;&gt;" in html and "<&>" not in html.split("</div>", 2)[-1]  # token text is escaped
+    assert html.count("draft 1: accepted") == 1 and html.count("draft 2: accepted") == 1
+    assert "draft 3: rejected" in html and "draft 1: rejected" in html and "<script" not in html

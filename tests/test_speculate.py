@@ -85,3 +85,179 @@ def test_stops_at_eos_and_bad_k():
     assert out == greedy_generate(model, prompt, 10, eos)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         speculative_generate(model, drafter, prompt, 0, 10, None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# exact greedy replay
+
+
+@pytest.fixture(scope="module")
+def trained_pair():
+    """A tiny target and a drafter trained briefly on its greedy continuations: partial acceptance, so that
+    replay-vs-decoder comparisons see accepted AND rejected drafts."""
+    from eagle3lab.hidden_states import target_forward_with_aux
+    from eagle3lab.train import train_drafter
+
+    torch.set_num_threads(1)
+    model, cfg = tiny_target(3)
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(12):
+        prompt = torch.randint(0, cfg.vocab_size, (4,), generator=g).tolist()
+        seq = prompt + greedy_generate(model, prompt, 20)
+        aux = target_forward_with_aux(model, torch.tensor([seq]), [1, 2, 4]).aux[0]
+        lm = torch.zeros(len(seq), dtype=torch.bool)
+        lm[4:] = True
+        data.append({"input_ids": torch.tensor(seq), "loss_mask": lm, "aux": aux})
+    drafter = drafter_for(model, cfg, 0, lm_head=True)
+    train_drafter(drafter, data, ttt_steps=3, epochs=15, batch_size=4, lr=3e-3, warmup=2, progress=False)
+    return model, cfg, drafter.eval()
+
+
+def test_replay_equals_decoder_for_every_k(trained_pair):
+    from eagle3lab.speculate import aux_and_logits, chain_predictions, replay_greedy, speculative_decode
+
+    model, cfg, drafter = trained_pair
+    g = torch.Generator().manual_seed(5)
+    accepted = rejected = 0
+    for _ in range(4):
+        prompt = torch.randint(0, cfg.vocab_size, (5,), generator=g).tolist()
+        n = 14
+        seq = prompt + greedy_generate(model, prompt, n + 7)
+        preds = chain_predictions(drafter, torch.tensor(seq), aux_and_logits(model, seq, [1, 2, 4]).aux[0], 7)
+        for k in range(1, 8):
+            dec = speculative_decode(model, drafter, prompt, k, n, None)
+            rep = replay_greedy(seq, len(prompt), preds, k, n)
+            assert rep.output == dec.output == seq[len(prompt) : len(prompt) + n]
+            assert rep.stats == dec.stats, k
+            for a, b in zip(dec.rounds, rep.rounds, strict=True):
+                assert (a.start, a.accepted, a.emitted) == (b.start, b.accepted, b.emitted)
+                assert a.drafted[: len(b.drafted)] == b.drafted  # replay knows drafts up to the first rejection
+            accepted += dec.stats.num_accepted_tokens
+            rejected += dec.stats.num_draft_tokens - dec.stats.num_accepted_tokens
+    assert accepted > 0 and rejected > 0, "the comparison must see both outcomes"
+
+
+def test_replay_needs_enough_tokens_and_ngram_lookup():
+    from eagle3lab.speculate import ngram_predictions, replay_greedy
+
+    seq = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1]
+    ng = ngram_predictions(seq, 3)
+    assert ng.shape == (9, 3)
+    assert ng[0].tolist() == [-1, -1, -1]  # context [1, 2]: nothing seen before
+    assert ng[2].tolist() == [2, 3, 1]  # context [1, 2, 3, 1]: the 1 at index 0 was followed by 2, 3, 1
+    assert ng[4].tolist() == [1, 2, 3]  # context ..3, 1, 2, 3: longest match [1, 2, 3] at index 0 -> 1, 2, 3
+    tr = replay_greedy(seq, 2, ng, 3, 5)
+    assert tr.output == seq[2:7]
+    assert tr.stats.num_drafts == 2 and tr.stats.accepted_hist == [1, 0, 0, 1]  # a miss, then a full copy
+    with pytest.raises(ValueError, match="too short"):
+        replay_greedy(seq, 2, ng, 3, 8)  # 8 new tokens + k = 3 need 11 continuation tokens, there are 8
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rejection sampling
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    expected = probs * n
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# chi-square critical values at significance 1e-3 (scipy.stats.chi2.ppf(0.999, df)); fixed seeds make the
+# tests deterministic, the margin makes them robust to a change of seed.
+_CHI2_999 = {2: 13.82, 3: 16.27, 4: 18.47}
+
+
+def _chi2_quantile_999(df: int) -> float:
+    """The 0.999 quantile of chi-square(df), Wilson-Hilferty (within 1% for df >= 5)."""
+    z = 3.0902
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_verify_sampled_emits_the_target_distribution(one_hot: bool):
+    """Whatever q proposes, each emitted token is distributed as p (position-wise, p fixed per position)."""
+    from eagle3lab.speculate import verify_sampled
+
+    g = torch.Generator().manual_seed(1)
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.4, 0.4, 0.1, 0.1]])
+    first, second = torch.zeros(4), torch.zeros(4)
+    n_acc = 0
+    for _ in range(20000):
+        if one_hot:  # greedy drafts: q is one-hot on the draft (vLLM's EAGLE proposer)
+            drafts = [1, 0]
+            qq = torch.zeros(2, 4)
+            qq[0, 1] = qq[1, 0] = 1
+        else:
+            drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+            qq = q
+        a, extra = verify_sampled(drafts, p, qq, g)
+        emitted = drafts[:a] + [extra]
+        first[emitted[0]] += 1
+        if len(emitted) > 1:
+            second[emitted[1]] += 1
+        n_acc += a
+    assert 0 < n_acc < 40000
+    assert _chi2(first, p[0]) < _CHI2_999[3]
+    assert _chi2(second, p[1]) < _CHI2_999[3]
+
+
+def test_sampled_decoding_matches_target_sampling():
+    """End to end on a tiny target: the second generated token (drafted, verified by rejection sampling) has
+    the target's own two-step marginal sum_x p(x | prompt) p(y | prompt, x). The drafter proposes the
+    target's argmax (often accepted, often not), so a wrong acceptance rule or residual shows."""
+    from eagle3lab.speculate import speculative_decode
+
+    model, cfg = tiny_target(4)
+    drafter = drafter_for(model, cfg, 2, lm_head=True)
+
+    def argmax_proposer(token_ids, aux, num_tokens):
+        seq = token_ids.tolist()
+        with torch.no_grad():
+            for _ in range(num_tokens):
+                seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        return seq[-num_tokens:]
+
+    drafter.propose = argmax_proposer
+    prompt = [7, 8, 9]
+    with torch.no_grad():
+        p1 = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
+        seqs = torch.tensor([prompt + [x] for x in range(cfg.vocab_size)])
+        p2 = torch.softmax(model(input_ids=seqs).logits[:, -1], -1)
+    marginal = (p1[:, None] * p2).sum(0)
+    g = torch.Generator().manual_seed(0)
+    n = 800
+    counts = torch.zeros(cfg.vocab_size)
+    accepted = 0
+    for _ in range(n):
+        tr = speculative_decode(model, drafter, prompt, 1, 2, None, temperature=1.0, generator=g)
+        counts[tr.output[1]] += 1
+        accepted += tr.stats.num_accepted_tokens
+    assert 0.1 * n < accepted < 0.9 * n, "the test must see accepted and rejected drafts"
+    # Pool the tokens of small expected count into one bin (chi-square needs expected counts >= 5).
+    big = marginal * n >= 5
+    pooled_c = torch.cat([counts[big], counts[~big].sum()[None]])
+    pooled_p = torch.cat([marginal[big], marginal[~big].sum()[None]])
+    df = int(big.sum())  # bins - 1
+    assert _chi2(pooled_c, pooled_p) < _chi2_quantile_999(df)
+
+
+def test_greedy_draft_sampling_at_temperature_uses_one_hot_q():
+    from eagle3lab.speculate import speculative_decode
+
+    model, cfg = tiny_target(2)
+    drafter = drafter_for(model, cfg, 1, lm_head=True)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    a = speculative_decode(model, drafter, [1, 2, 3], 3, 8, None, temperature=1.0, generator=g1)
+    b = speculative_decode(model, drafter, [1, 2, 3], 3, 8, None, temperature=1.0, generator=g2)
+    assert a.output == b.output and a.stats == b.stats  # seeded: reproducible
+    assert len(a.output) == 8 and all(len(r.drafted) == 3 for r in a.rounds)
+    s = speculative_decode(model, drafter, [1, 2, 3], 3, 8, None, temperature=1.0,
+                           generator=torch.Generator().manual_seed(3), draft_sampling="sample")
+    assert len(s.output) == 8
+    with pytest.raises(ValueError, match="draft_sampling"):
+        speculative_decode(model, drafter, [1, 2, 3], 3, 8, None, temperature=1.0, draft_sampling="beam")

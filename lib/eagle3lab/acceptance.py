@@ -5,9 +5,16 @@ The counters are the ones vLLM exports (``vllm:spec_decode_num_drafts``, ``..._n
 and from a vLLM engine can sit in one table:
 
 - mean acceptance length = 1 + accepted / drafts (the target's own token counts as one per round);
-- per-position acceptance rate i = accepted_per_pos[i] / drafts (fraction of rounds whose draft i was
-  accepted; it can only fall with i because acceptance stops at the first mismatch);
+- cumulative acceptance rate at position i = accepted_per_pos[i] / drafts (vLLM's per-position rate: the
+  fraction of rounds whose draft i was accepted; it can only fall with i because a chain stops at its
+  first rejection);
+- conditional acceptance rate at position i = accepted_per_pos[i] / accepted_per_pos[i-1] (drafts for i=0):
+  of the rounds that reached position i (all earlier drafts accepted), the fraction that accepted draft i.
+  It can rise or fall with i; it is what says whether later drafts are worse;
 - draft acceptance rate = accepted / draft tokens.
+
+Intervals are over prompts (a prompt's rounds are not independent of each other): a percentile bootstrap
+that resamples prompts and recomputes the pooled ratio.
 """
 
 from __future__ import annotations
@@ -46,6 +53,12 @@ class SpecDecodeStats:
         if not self.num_drafts:
             return [float("nan")] * len(self.accepted_per_pos)
         return [a / self.num_drafts for a in self.accepted_per_pos]
+
+    @property
+    def conditional_rate(self) -> list[float]:
+        """accepted_per_pos[i] / (rounds that reached position i): nan where no round reached it."""
+        reached = [self.num_drafts, *self.accepted_per_pos[:-1]]
+        return [a / r if r else float("nan") for a, r in zip(self.accepted_per_pos, reached, strict=True)]
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -92,6 +105,7 @@ class SpecDecodeStats:
             "accepted_hist": list(self.accepted_hist),
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_rate": self.per_position_rate,
+            "conditional_rate": self.conditional_rate,
             "draft_acceptance_rate": self.draft_acceptance_rate,
         }
 
@@ -235,49 +249,294 @@ def layer_sweep_figure(results: Mapping[str, SpecDecodeStats]) -> go.Figure:
     return fig
 
 
-def sweep_aux_layers(
-    engine: Any,
-    samples_path: str | Path,
-    target_path: str | Path,
-    layer_choices: Sequence[Sequence[int]],
-    prompts: list[list[int]],
-    out_dir: str | Path,
-    num_speculative_tokens: int,
-    max_new_tokens: int,
-    draft_vocab_size: int,
-    drafter_kw: dict[str, Any] | None = None,
-    train_kw: dict[str, Any] | None = None,
-    shard_sequences: int = 64,
-    hidden_dtype: str = "float32",
-    seed: int = 0,
-) -> dict[str, SpecDecodeStats]:
-    """Acceptance per choice of target layers: for each choice, extract its aux states from the same
-    samples, train a drafter on them with the same settings, and measure it on the same prompts.
+# ---------------------------------------------------------------------------------------------------------
+# intervals over prompts
 
-    ``engine`` must be the reference engine (the extraction runs its transformers model in-process).
-    Everything lands under ``out_dir`` (``hidden-<ids>``, ``ckpt-<ids>``, ``drafter-<ids>``), so an
-    interrupted sweep resumes where it stopped. Returns ``{"[ids]": stats}`` in the order given.
+
+@dataclass
+class Interval:
+    """A point estimate with a 95% interval."""
+
+    value: float
+    lo: float
+    hi: float
+
+
+@dataclass
+class PromptIntervals:
+    """Pooled rates with 95% bootstrap intervals over prompts."""
+
+    tau: Interval
+    cumulative: list[Interval]
+    conditional: list[Interval]
+    num_prompts: int
+    per_prompt_tau: list[float]
+
+
+def _pooled(per_prompt: Sequence[SpecDecodeStats], k: int) -> Any:
+    import numpy as np
+
+    drafts = np.array([s.num_drafts for s in per_prompt], dtype=float)
+    acc = np.array([_padded(s.accepted_per_pos, k)[:k] for s in per_prompt], dtype=float).reshape(len(per_prompt), k)
+    return drafts, acc
+
+
+def _rates(drafts: Any, acc: Any) -> tuple[Any, Any, Any]:
+    import numpy as np
+
+    # drafts [..., P], acc [..., P, k] -> tau [...], cumulative [..., k], conditional [..., k]
+    d = drafts.sum(-1)
+    a = acc.sum(-2)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tau = 1 + a.sum(-1) / d
+        cum = a / d[..., None]
+        reached = np.concatenate([d[..., None], a[..., :-1]], axis=-1)
+        cond = a / reached
+    return tau, cum, cond
+
+
+def prompt_intervals(
+    per_prompt: Sequence[SpecDecodeStats], num_boot: int = 2000, seed: int = 0
+) -> PromptIntervals:
+    """tau, cumulative and conditional per-position rates pooled over prompts, with 95% intervals.
+
+    Percentile bootstrap over prompts: prompts are resampled with replacement and the pooled ratios
+    recomputed ``num_boot`` times (seeded, so a run is reproducible).
     """
-    from eagle3lab.drafter import save_drafter
-    from eagle3lab.hidden_states import HiddenStateDataset, extract_hidden_states
-    from eagle3lab.train import train_drafter_for_target
+    import numpy as np
 
-    if not hasattr(engine, "model"):
-        raise ValueError("a layer sweep needs the reference engine: it extracts hidden states in-process")
-    if not layer_choices:
-        raise ValueError("layer_choices is empty: nothing to compare")
-    out = Path(out_dir)
-    results: dict[str, SpecDecodeStats] = {}
-    for choice in layer_choices:
-        ids = sorted(int(i) for i in choice)
-        tag = "-".join(str(i) for i in ids)
-        hdir = out / f"hidden-{tag}"
-        extract_hidden_states(engine.model, samples_path, ids, hdir, shard_sequences=shard_sequences,
-                              dtype=hidden_dtype, target=target_path, device=engine.device)
-        drafter, _ = train_drafter_for_target(
-            target_path, HiddenStateDataset(hdir), draft_vocab_size, drafter_kw=drafter_kw,
-            train_kw={**(train_kw or {}), "checkpoint_dir": out / f"ckpt-{tag}"}, seed=seed,
-        )
-        dpath = save_drafter(drafter, out / f"drafter-{tag}", target_path, num_speculative_tokens)
-        results[str(ids)] = engine.speculative_generate(prompts, dpath, num_speculative_tokens, max_new_tokens).stats
-    return results
+    per_prompt = [s for s in per_prompt if s.num_drafts]
+    if not per_prompt:
+        raise ValueError("prompt_intervals: no prompt has any draft")
+    k = max(len(s.accepted_per_pos) for s in per_prompt)
+    drafts, acc = _pooled(per_prompt, k)
+    tau, cum, cond = _rates(drafts, acc)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(per_prompt), size=(num_boot, len(per_prompt)))
+    btau, bcum, bcond = _rates(drafts[idx], acc[idx])
+
+    def iv(point: float, boots: Any) -> Interval:
+        b = boots[~np.isnan(boots)]
+        if not len(b):
+            return Interval(float(point), float("nan"), float("nan"))
+        lo, hi = np.percentile(b, [2.5, 97.5])
+        return Interval(float(point), float(lo), float(hi))
+
+    return PromptIntervals(
+        tau=iv(tau, btau),
+        cumulative=[iv(cum[i], bcum[:, i]) for i in range(k)],
+        conditional=[iv(cond[i], bcond[:, i]) for i in range(k)],
+        num_prompts=len(per_prompt),
+        per_prompt_tau=[s.mean_acceptance_length for s in per_prompt],
+    )
+
+
+def interval_table(iv: PromptIntervals) -> list[dict[str, Any]]:
+    """One row per draft position: both rates with their 95% intervals (3 decimals)."""
+    return [
+        {"position": i + 1,
+         "conditional (accepted at i / reached i)": f"{c.value:.3f} [{c.lo:.3f}, {c.hi:.3f}]",
+         "cumulative (accepted at i / drafts)": f"{u.value:.3f} [{u.lo:.3f}, {u.hi:.3f}]"}
+        for i, (c, u) in enumerate(zip(iv.conditional, iv.cumulative, strict=True))
+    ]
+
+
+def _err(ivs: Sequence[Interval]) -> dict[str, Any]:
+    return {"type": "data", "symmetric": False,
+            "array": [i.hi - i.value for i in ivs], "arrayminus": [i.value - i.lo for i in ivs]}
+
+
+def rates_figure(iv: PromptIntervals, title: str = "Acceptance per draft position") -> go.Figure:
+    """Conditional and cumulative rates per draft position, 95% intervals over prompts as error bars."""
+    x = [f"draft {i + 1}" for i in range(len(iv.cumulative))]
+    fig = go.Figure()
+    fig.add_bar(x=x, y=[i.value for i in iv.conditional], error_y=_err(iv.conditional),
+                name="conditional: accepted at i / rounds that reached i")
+    fig.add_bar(x=x, y=[i.value for i in iv.cumulative], error_y=_err(iv.cumulative),
+                name="cumulative: accepted at i / drafts (vLLM's per-position rate)")
+    fig.update_layout(
+        barmode="group", title=f"{title} (τ = {iv.tau.value:.2f} [{iv.tau.lo:.2f}, {iv.tau.hi:.2f}], "
+        f"{iv.num_prompts} prompts, 95% intervals over prompts)",
+        yaxis={"title": "acceptance rate", "range": [0, 1.08]}, xaxis={"title": "draft position"},
+        legend={"orientation": "h", "y": -0.2},
+    )
+    return fig
+
+
+def tau_distribution_figure(per_prompt_tau: Mapping[str, Sequence[float]], k: int) -> go.Figure:
+    """Histogram of per-prompt mean acceptance length, one trace per prompt set."""
+    fig = go.Figure()
+    for name, taus in per_prompt_tau.items():
+        fig.add_histogram(x=list(taus), name=f"{name} ({len(taus)} prompts)", xbins={"start": 1, "end": k + 1.0001,
+                          "size": k / 24}, opacity=0.7)
+    fig.update_layout(barmode="overlay", title=f"Mean acceptance length per prompt (out of k+1 = {k + 1})",
+                      xaxis={"title": "τ of the prompt", "range": [1, k + 1.05]}, yaxis_title="prompts")
+    return fig
+
+
+def tau_by_k_figure(curves: Mapping[str, Mapping[int, PromptIntervals]]) -> go.Figure:
+    """τ against k (one line per drafter or prompt set) with 95% intervals, and the ceiling k+1."""
+    fig = go.Figure()
+    ks: set[int] = set()
+    for name, by_k in curves.items():
+        xs = sorted(by_k)
+        ks.update(xs)
+        fig.add_scatter(x=xs, y=[by_k[x].tau.value for x in xs], error_y=_err([by_k[x].tau for x in xs]),
+                        mode="lines+markers", name=name)
+    xs = sorted(ks)
+    fig.add_scatter(x=xs, y=[x + 1 for x in xs], mode="lines", line={"dash": "dot", "color": "grey"},
+                    name="ceiling k+1")
+    fig.update_layout(title="Mean acceptance length τ against k (same drafter, temperature 0)",
+                      xaxis={"title": "k (num_speculative_tokens)", "dtick": 1},
+                      yaxis={"title": "τ (tokens per target forward)"})
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------------
+# modelled speedup
+
+
+def modelled_speedup(tau: float, k: int, cost_ratio: float) -> float:
+    """Tokens per unit of time relative to plain decoding: τ / (1 + k * c).
+
+    One round costs one target forward plus k drafter forwards (c = drafter forward / target forward) and
+    yields τ tokens. A model, not a measurement: it ignores that verifying k+1 tokens costs more than a
+    one-token decode step, scheduling, and sampling overheads.
+    """
+    if k < 1 or cost_ratio < 0:
+        raise ValueError(f"need k >= 1 and cost_ratio >= 0 (got {k}, {cost_ratio})")
+    return tau / (1 + k * cost_ratio)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# per-round records (format: /work/notes/acceptance-records.md, repeated in read_records' docstring)
+
+RECORDS = "records.jsonl"
+
+
+def make_record(
+    trace: Any, *, config: str, split: str, drafter: str, aux_layer_ids: Sequence[int], k: int,
+    temperature: float, prompt_index: int, prompt_ids: Sequence[int], tokenizer: Any = None,
+) -> dict[str, Any]:
+    """A JSON-able record of one prompt's rounds (a :class:`eagle3lab.speculate.DecodeTrace`)."""
+
+    def pieces(ids: Sequence[int]) -> list[str]:
+        return [tokenizer.decode([int(t)]) for t in ids] if tokenizer is not None else [str(int(t)) for t in ids]
+
+    return {
+        "config": config, "split": split, "drafter": drafter, "aux_layer_ids": sorted(int(i) for i in aux_layer_ids),
+        "k": int(k), "temperature": float(temperature),
+        "source": "decoded" if trace.complete_drafts else "simulated",
+        "prompt_index": int(prompt_index), "prompt_ids": [int(t) for t in prompt_ids],
+        "prompt_text": tokenizer.decode(list(prompt_ids)) if tokenizer is not None else "",
+        "output_ids": [int(t) for t in trace.output], "output_pieces": pieces(trace.output),
+        "rounds": [{"start": r.start, "drafted": [int(t) for t in r.drafted], "drafted_pieces": pieces(r.drafted),
+                    "accepted": int(r.accepted), "emitted": [int(t) for t in r.emitted]} for r in trace.rounds],
+    }
+
+
+def write_records(path: str | Path, records: Iterable[Mapping[str, Any]], append: bool = False) -> Path:
+    """Write (or append) records as JSON lines."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a" if append else "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """Records of ``records.jsonl``: one dict per (configuration, prompt); see /work/notes/acceptance-records.md.
+
+    Keys: config, split, drafter, aux_layer_ids, k, temperature, source ("decoded" | "simulated"),
+    prompt_index, prompt_ids, prompt_text, output_ids, output_pieces, rounds (start, drafted,
+    drafted_pieces, accepted, emitted).
+    """
+    import json
+
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def stats_from_record(record: Mapping[str, Any]) -> SpecDecodeStats:
+    """The counters of one record (recomputed from its rounds)."""
+    st = SpecDecodeStats(accepted_per_pos=[0] * int(record["k"]), accepted_hist=[0] * (int(record["k"]) + 1))
+    for r in record["rounds"]:
+        st.record_round(int(record["k"]), int(r["accepted"]))
+    return st
+
+
+# ---------------------------------------------------------------------------------------------------------
+# token view
+
+_COLOURS = {"prefill": "#e0e0e0", "accepted": "#b7e4c7", "correction": "#f4c7a1", "bonus": "#a9d3f5"}
+
+
+def token_view_html(record: Mapping[str, Any], max_prompt_chars: int = 400) -> str:
+    """Static HTML (no scripts) of one record: the output with each token coloured by its role.
+
+    Green: a draft the target accepted; orange: the target's correction after a rejected draft, with the
+    rejected draft struck through in red before it; blue: the bonus token after all k drafts were accepted;
+    grey: the first token (from the prefill, no draft). Hover a token for its round and draft position.
+    """
+    from html import escape
+
+    def span(text: str, colour: str, tip: str, extra: str = "") -> str:
+        shown = escape(text).replace("\n", "↵<br>").replace(" ", "&nbsp;") or "∅"
+        return (f'<span title="{escape(tip)}" style="background:{colour};border-radius:3px;'
+                f'padding:0 1px;margin:0 1px 0 0;{extra}">{shown}</span>')
+
+    pieces = record["output_pieces"]
+    parts = [span(pieces[0], _COLOURS["prefill"], "token 0: from the prefill")] if pieces else []
+    k = int(record["k"])
+    for n, r in enumerate(record["rounds"]):
+        a, emitted, drafted = int(r["accepted"]), r["emitted"], r.get("drafted_pieces") or []
+        parts.append('<span style="border-left:2px solid #555;margin:0 2px"></span>')
+        for i in range(len(emitted)):
+            piece = pieces[r["start"] + i]
+            if i < a:
+                parts.append(span(piece, _COLOURS["accepted"], f"round {n + 1}, draft {i + 1}: accepted"))
+            else:
+                if a < k and a < len(drafted):
+                    parts.append(span(drafted[a], "#f8d7da", f"round {n + 1}, draft {a + 1}: rejected",
+                                      "text-decoration:line-through;color:#a00"))
+                role = "bonus" if a == k else "correction"
+                parts.append(span(piece, _COLOURS[role], f"round {n + 1}: the target's own token ({role})"))
+    legend = " ".join(span(name, c, name) for name, c in
+                      [("accepted draft", _COLOURS["accepted"]), ("rejected draft", "#f8d7da"),
+                       ("target's correction", _COLOURS["correction"]), ("bonus (all k accepted)", _COLOURS["bonus"]),
+                       ("prefill", _COLOURS["prefill"])])
+    prompt = escape(str(record.get("prompt_text", ""))[-max_prompt_chars:])
+    head = (f"<div><b>{escape(record['config'])}</b>, prompt {record['prompt_index']} "
+            f"({record['source']}; bars separate rounds)</div><div>{legend}</div>")
+    return (f'<div style="font-family:monospace;font-size:13px;line-height:1.9">{head}'
+            f'<div style="color:#666;white-space:pre-wrap;border-bottom:1px dashed #aaa;margin:4px 0">…{prompt}</div>'
+            f'<div>{"".join(parts)}</div></div>')
+
+
+def position_trend(iv: PromptIntervals) -> str:
+    """A sentence on how acceptance changes with the draft position, following the numbers."""
+    import math
+
+    cond = [c.value for c in iv.conditional]
+    cum = [c.value for c in iv.cumulative]
+    reached = [(i, c) for i, c in enumerate(cond) if not math.isnan(c)]
+    text = (f"The cumulative rate goes from {cum[0]:.2f} to {cum[-1]:.2f}: it can only fall, because a chain "
+            "stops at its first rejection. ")
+    unreached = [i + 1 for i, c in enumerate(cond) if math.isnan(c)]
+    shown = ", ".join("–" if math.isnan(c) else f"{c:.2f}" for c in cond)
+    if len(reached) < 2:
+        return text + f"The conditional rates ({shown}) have too few reached positions to show a trend."
+    first, last = reached[0][1], reached[-1][1]
+    # Overlapping intervals of the first and last reached positions: no claim of a trend.
+    a, b = iv.conditional[reached[0][0]], iv.conditional[reached[-1][0]]
+    if a.lo <= b.hi and b.lo <= a.hi:
+        verdict = "are level within their 95% intervals"
+    elif last > first:
+        verdict = ("rise with the position: a round that survives its first drafts tends to sit in a predictable "
+                   "stretch of text")
+    else:
+        verdict = "fall with the position: later drafts, which run on the drafter's own hidden states, are worse"
+    more = f" Position(s) {unreached} were never reached." if unreached else ""
+    return text + f"The conditional rates ({shown}) {verdict}.{more}"

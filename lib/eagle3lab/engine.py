@@ -22,6 +22,9 @@ class SpeculativeResult:
     # One SpecDecodeStats per prompt where the engine can attribute counters to a prompt (the reference
     # decoder always; vLLM when prompts are run one at a time), else None.
     per_prompt: list[Any] | None = None
+    # One eagle3lab.speculate.DecodeTrace per prompt (every round's drafts) where the engine can see the
+    # rounds (the reference decoder), else None.
+    traces: list[Any] | None = None
 
 
 @runtime_checkable
@@ -136,28 +139,32 @@ class ReferenceEngine:
         temperature: float = 0.0,
         seed: int = 0,
     ) -> SpeculativeResult:
-        """Run the reference chain decoder prompt by prompt and sum the acceptance counters."""
-        if temperature != 0.0:
-            raise NotImplementedError("the reference decoder verifies greedily only (temperature 0)")
+        """Run the reference chain decoder prompt by prompt and sum the acceptance counters.
+
+        Greedy verification at temperature 0 (outputs equal greedy decoding); rejection sampling above it,
+        with drafts proposed greedily as vLLM's EAGLE proposer does. Prompt i samples from a generator
+        seeded with ``seed + i``, so a prompt's result does not depend on the others.
+        """
         from eagle3lab.acceptance import SpecDecodeStats
         from eagle3lab.drafter import load_drafter
-        from eagle3lab.speculate import speculative_generate
+        from eagle3lab.speculate import speculative_decode
 
         _check_prompts(prompt_ids)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
         if not Path(drafter_path).is_dir():
             raise FileNotFoundError(f"drafter folder does not exist: {drafter_path}")
         drafter = load_drafter(drafter_path, self.device)
-        outputs: list[list[int]] = []
         total = SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens)
-        per_prompt = []
-        for p in prompt_ids:
-            toks, stats = speculative_generate(
-                self.model, drafter, list(p), num_speculative_tokens, max_new_tokens, self.eos_token_id
-            )
-            outputs.append(toks)
-            per_prompt.append(stats)
-            total = total + stats
-        return SpeculativeResult(outputs=outputs, stats=total, per_prompt=per_prompt)
+        traces = []
+        for i, p in enumerate(prompt_ids):
+            gen = torch.Generator().manual_seed(int(seed) + i) if temperature > 0 else None
+            tr = speculative_decode(self.model, drafter, list(p), num_speculative_tokens, max_new_tokens,
+                                    self.eos_token_id, temperature=temperature, generator=gen)
+            traces.append(tr)
+            total = total + tr.stats
+        return SpeculativeResult(outputs=[t.output for t in traces], stats=total,
+                                 per_prompt=[t.stats for t in traces], traces=traces)
 
 
 # ----------------------------------------------------------------------------------------------------

