@@ -79,8 +79,10 @@ def test_token_counts_and_bad_inputs():
 def test_config_validation():
     with pytest.raises(ValueError, match="shared embeddings"):
         tiny_cfg(hidden_size=64)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="no ids"):
         tiny_cfg(aux_layer_ids=[])
+    with pytest.raises(ValueError, match="duplicates"):
+        tiny_cfg(aux_layer_ids=[2, 2, 3])
     assert tiny_cfg().aux_layer_ids == [1, 2, 3]
 
 

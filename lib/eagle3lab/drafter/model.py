@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3lab.aux_layers import check_aux_layer_ids
 from eagle3lab.drafter.vocab import build_draft_vocab, draft_to_target
 
 # ----------------------------------------------------------------------------------------------------
@@ -72,9 +73,9 @@ class DrafterConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
-        if not self.aux_layer_ids:
-            raise ValueError("aux_layer_ids: empty; the drafter needs at least one target layer")
-        self.aux_layer_ids = sorted(int(i) for i in self.aux_layer_ids)
+        # The rules (and the ascending order vLLM returns the states in) are aux_layers'; the drafter does
+        # not know the target's depth, so the range is checked where it is known (params, capture, lint).
+        self.aux_layer_ids = check_aux_layer_ids(self.aux_layer_ids)
         if self.shared_embeddings and self.hidden_size != self.target_hidden_size:
             raise ValueError(
                 f"shared embeddings need the drafter width ({self.hidden_size}) to equal the target's "
