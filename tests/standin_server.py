@@ -13,7 +13,8 @@ Like vLLM it runs helper processes in its own process group (STANDIN_CHILDREN of
 core and workers), and on SIGTERM it stops them and exits. Misbehaviour for the lifecycle tests, by
 environment variable: STANDIN_DELAY_S (seconds before it listens), STANDIN_NEVER_HEALTHY=1 (/health
 answers 503), STANDIN_EXIT (exit with this code after the delay, printing an error first),
-STANDIN_IGNORE_TERM=1 (the server and its helpers ignore SIGTERM: only SIGKILL ends them).
+STANDIN_IGNORE_TERM=1 (the server and its helpers ignore SIGTERM: only SIGKILL ends them),
+STANDIN_NO_FORWARD=1 (on SIGTERM the server exits without stopping its helpers).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def main() -> None:
     ]
 
     def on_term(signum: int, frame: object) -> None:
+        if os.environ.get("STANDIN_NO_FORWARD") == "1":
+            sys.exit(0)  # leaves its helpers running: only a signal to the whole group reaches them
         for ch in children:
             ch.terminate()
         for ch in children:

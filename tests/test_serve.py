@@ -176,11 +176,25 @@ def test_sigkill_after_grace_when_sigterm_is_ignored(tmp_path):
     assert wait_gone(pgid, 0) == []
 
 
+def test_sigterm_reaches_the_whole_group(tmp_path):
+    """A server that exits on SIGTERM without stopping its helpers: the helpers get SIGTERM too (it goes
+    to the group), so shutdown is graceful and quick, not a SIGKILL after the grace period."""
+    s = standin(tmp_path, {"STANDIN_NO_FORWARD": "1", "STANDIN_CHILDREN": "2"}, shutdown_grace_s=8.0)
+    s.start()
+    pgid = s.pgid
+    t0 = time.monotonic()
+    s.stop()
+    assert time.monotonic() - t0 < 4.0
+    assert wait_gone(pgid, 0) == []
+
+
 HARNESS = textwrap.dedent(
     """
     import json, sys, time
     from eagle3lab.serve import ServerSpec, VllmServer
-    s = VllmServer(ServerSpec(model="m"), sys.argv[1], command=sys.argv[3:], shutdown_grace_s=5, poll_interval_s=0.1)
+    # PDEATHSIG only for the SIGKILL case: SIGINT and SIGTERM must be handled by Python-level cleanup.
+    s = VllmServer(ServerSpec(model="m"), sys.argv[1], command=sys.argv[4:], shutdown_grace_s=5, poll_interval_s=0.1,
+                   die_with_parent=sys.argv[3] == "9")
     if sys.argv[2] == "context":
         with s:
             print(json.dumps({"pgid": s.pgid}), flush=True)
@@ -198,11 +212,12 @@ HARNESS = textwrap.dedent(
     [("context", signal.SIGINT), ("bare", signal.SIGINT), ("bare", signal.SIGTERM), ("bare", signal.SIGKILL)],
 )
 def test_no_orphans_when_the_parent_is_interrupted(tmp_path, style, sig):
-    """Ctrl-C (SIGINT) to the process holding the server, with and without a context manager, SIGTERM,
-    and SIGKILL (no Python cleanup at all: the server learns of it through PR_SET_PDEATHSIG)."""
+    """Ctrl-C (SIGINT) to the process holding the server, with and without a context manager (the
+    KeyboardInterrupt unwinds / atexit), SIGTERM (our handler), and SIGKILL (no Python cleanup at all: the
+    server learns of it through PR_SET_PDEATHSIG)."""
     env = {**os.environ, "STANDIN_CHILDREN": "2"}
     parent = subprocess.Popen(
-        [sys.executable, "-c", HARNESS, str(tmp_path / "server.log"), style, *STANDIN],
+        [sys.executable, "-c", HARNESS, str(tmp_path / "server.log"), style, str(int(sig)), *STANDIN],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
     )  # fmt: skip
     try:
