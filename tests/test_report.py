@@ -199,3 +199,13 @@ def test_overview_failed_run_says_so():
              dict(STEPS[1], status="skipped", html="", ipynb="")]
     page = overview.index_html("run", steps, {}, {})
     assert "The run failed at 00_target" in page and "RuntimeError: boom" in page
+
+
+def test_run_log_gets_real_warnings_only(tmp_path):
+    from eagle3lab import runner
+
+    path = tmp_path / "nb.ipynb"
+    nb = _notebook()
+    nb.cells[1].execution_count = 4
+    nbformat.write(nb, str(path))
+    assert runner.cell_warnings(path) == ["cell [4]: /x/y.py:3: UserWarning: the checkpoint has no generation_config"]
