@@ -1,7 +1,9 @@
-"""eagle3lab.patch against the installed vLLM (run in both venvs: 0.26.0 native, 0.17.0 legacy).
+"""eagle3lab.patch (and its plugin and --check) against the installed vLLM (run in both venvs: 0.26.0
+native, 0.17.0 legacy).
 
 Resolving the model classes costs ~15 s, so one module fixture holds them; every test starts and ends
-with revert() so no state leaks between tests.
+with revert() so no state leaks between tests. A case that exists in one release only is skipped, with
+the reason, in the other.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm", reason="tests/vllm need an installed vLLM (0.26.0 in .venv, 0.17.0 in .venvs)")
 torch = pytest.importorskip("torch")
 
-from eagle3lab import patch  # noqa: E402
+from eagle3lab import patch, patch_check, plugin, vllm_compat  # noqa: E402
 
-VERSION = tuple(int(p) for p in patch.vllm_version().split(".")[:2])
+VERSION = vllm_compat.version_tuple()
 NATIVE = VERSION >= (0, 18)
+only_legacy = pytest.mark.skipif(NATIVE, reason="vLLM >= 0.18 has no model-type gate and native EAGLE-3")
+only_native = pytest.mark.skipif(not NATIVE, reason="vLLM <= 0.17 has no native EAGLE-3 to remove or force over")
 REFUSAL = "Model does not support EAGLE3 interface"
 
 
@@ -56,8 +60,7 @@ def _to_legacy() -> None:
 def _snapshot(c) -> dict:
     names = (*patch._EAGLE3_ONLY, "forward", "aux_hidden_state_layers")
     snap = {n: (cls.__bases__, {k: cls.__dict__.get(k) for k in names}) for n, cls in c.items()}
-    gate = patch._gate_function()
-    snap["gate"] = gate.__code__ if gate is not None else None
+    snap["gates"] = [vllm_compat.gate_function(g).__code__ for g in vllm_compat.frontend_gates()]
     return snap
 
 
@@ -133,15 +136,23 @@ def test_idempotent_and_revert_restores(c):
         assert _sup(c[arch]) is NATIVE
 
 
+@only_native
+def test_no_frontend_gate_on_native_releases(c):
+    assert vllm_compat.frontend_gates() == ()
+    assert patch.frontend_admits("deepseek_v3") and patch.frontend_admits("kimi_k25")
+
+
+@only_legacy
 def test_frontend_gate(c):
     from transformers import DeepseekV3Config
     from vllm.transformers_utils.config import get_hf_text_config
     from vllm.transformers_utils.configs.kimi_k25 import KimiK25Config
 
-    gate = patch._gate_function()
-    if NATIVE:
-        assert patch.frontend_allow_list() is None  # no model-type gate for eagle3 any more
-        return
+    (found,) = vllm_compat.frontend_gates()  # located once, in the source, by structure
+    gate = vllm_compat.gate_function(found)
+    assert "llama" in found.allowed and found.config_attr == "hf_text_config"
+    # The compiled constant the patch extends is the list read from the source, exactly.
+    assert gate.__code__.co_consts[vllm_compat.gate_constant_index(found)] == found.allowed
     # The same function object pydantic runs after validating SpeculativeConfig; ``self`` carries
     # what the validator reads, with real hf configs as the front end would hold them.
     hf_configs = {"deepseek_v3": DeepseekV3Config(), "kimi_k25": KimiK25Config()}
@@ -165,6 +176,7 @@ def test_frontend_gate(c):
     patch.revert()
     with pytest.raises(ValueError, match="eagle3 is only supported for"):
         validate(hf_configs["deepseek_v3"])
+    assert not patch.frontend_admits("deepseek_v3")
 
 
 @pytest.mark.slow
@@ -200,11 +212,14 @@ def test_frontend_gate_real_speculative_config(c, tmp_path, monkeypatch):
     assert build().method == "eagle3"
 
 
+@only_legacy
+def test_simulation_is_a_noop_on_legacy_releases(c):
+    rep = patch.simulate_legacy()
+    assert rep.noop and "nothing to simulate" in rep.reason and patch.applied() == {}
+
+
+@only_native
 def test_native_noop_unless_forced(c):
-    if not NATIVE:
-        rep = patch.simulate_legacy()
-        assert rep.noop and "nothing to simulate" in rep.reason and patch.applied() == {}
-        return
     native_forward = c["DeepseekV2Model"].forward
     rep = patch.apply()
     assert rep.noop and "natively" in rep.reason and patch.applied() == {}
@@ -216,24 +231,24 @@ def test_native_noop_unless_forced(c):
 
 def test_plugin_bad_value_never_raises(c, monkeypatch, caplog):
     for raw in ("{not json", '{"apply": "yes"}', '{"aply": true}', "[1]"):
-        monkeypatch.setenv(patch.ENV_VAR, raw)
-        patch.vllm_plugin()  # must not raise into vLLM
+        monkeypatch.setenv(plugin.ENV_VAR, raw)
+        plugin.vllm_plugin()  # must not raise into vLLM
         assert patch.applied() == {}
     assert "not applied" in caplog.text
-    monkeypatch.delenv(patch.ENV_VAR)
-    patch.vllm_plugin()
+    monkeypatch.delenv(plugin.ENV_VAR)
+    plugin.vllm_plugin()
     assert patch.applied() == {}
 
 
 def test_plugin_env(monkeypatch):
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    env = patch.plugin_env(True, False, True)
-    assert set(env) == {patch.ENV_VAR}
-    assert patch.parse_plugin_env(env[patch.ENV_VAR]) == {"apply": True, "force": False, "legacy_simulation": True}
+    env = plugin.plugin_env(True, False, True)
+    assert set(env) == {plugin.ENV_VAR}
+    assert plugin.parse_plugin_env(env[plugin.ENV_VAR]) == {"apply": True, "force": False, "legacy_simulation": True}
     monkeypatch.setenv("VLLM_PLUGINS", "other")
-    assert patch.plugin_env(True)["VLLM_PLUGINS"] == "other,eagle3lab"
+    assert plugin.plugin_env(True)["VLLM_PLUGINS"] == "other,eagle3lab"
     monkeypatch.setenv("VLLM_PLUGINS", "eagle3lab,other")
-    assert "VLLM_PLUGINS" not in patch.plugin_env(True)
+    assert "VLLM_PLUGINS" not in plugin.plugin_env(True)
 
 
 _PLUGIN_SCRIPT = textwrap.dedent(
@@ -257,7 +272,7 @@ _PLUGIN_SCRIPT = textwrap.dedent(
 
 
 def test_plugin_through_vllm_loader():
-    env = {**os.environ, **patch.plugin_env(apply=True, force=False, legacy_simulation=True)}
+    env = {**os.environ, **plugin.plugin_env(apply=True, force=False, legacy_simulation=True)}
     env["VLLM_PLUGINS"] = "eagle3lab"
     proc = subprocess.run(
         [sys.executable, "-c", _PLUGIN_SCRIPT], env=env, capture_output=True, text=True, timeout=300
@@ -265,7 +280,7 @@ def test_plugin_through_vllm_loader():
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
     assert line is not None, proc.stderr[-3000:]
     out = json.loads(line[len("RESULT"):])
-    assert out["entry_points"] == ["eagle3lab.patch:vllm_plugin"]
+    assert out["entry_points"] == ["eagle3lab.plugin:vllm_plugin"]
     assert all(out["supported"].values()), out
     # On >= 0.18 the simulation ran first, then the patch; on 0.17 only the patch had work to do.
     assert out["groups"] == (["legacy_simulation", "patch"] if NATIVE else ["patch"])
@@ -354,10 +369,24 @@ def test_forward_collects_like_026(c, monkeypatch):
 
 
 def test_check_for_the_cli(c):
-    d = patch.check("KimiK25ForConditionalGeneration", apply=True, legacy_simulation=NATIVE)
+    d = patch_check.check("KimiK25ForConditionalGeneration", apply=True, legacy_simulation=NATIVE)
     assert d["before"]["supports_eagle3"] is False and REFUSAL in d["refusal_before"]
     assert d["after"]["supports_eagle3"] is True and d["refusal_after"] is None and d["ok"]
-    text = patch.format_check(d)
+    text = patch_check.format_check(d)
     assert "KimiK25ForConditionalGeneration" in text and text.rstrip().endswith("OK")
     with pytest.raises(ValueError, match="NoSuchArch"):
-        patch.check("NoSuchArch")
+        patch_check.check("NoSuchArch")
+
+
+def test_cli_exit_codes(tmp_path):
+    """2 for input the user got wrong (an architecture this vLLM lacks), 0 for a check that passes."""
+    cmd = [sys.executable, "-m", "eagle3lab", "patch", "--check"]
+    bad = subprocess.run([*cmd, "NoSuchArch"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "NoSuchArch" in bad.stderr, bad.stderr[-2000:]
+    profile = tmp_path / "p.yaml"
+    profile.write_text(f"profile: p\ndrafter: {{aux_layer_ids: [2, 4, 6]}}\n"
+                       f"patch: {{apply: true, legacy_simulation: {str(NATIVE).lower()}}}\n")
+    ok = subprocess.run([*cmd, "DeepseekV3ForCausalLM", "--params", str(profile), "--json"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads(ok.stdout)["after"]["supports_eagle3"] is True
