@@ -137,7 +137,7 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None, timeout: float = 500) -> dict:
-    from eagle3lab.patch import plugin_env
+    from eagle3lab.plugin import plugin_env
 
     env = {k: v for k, v in os.environ.items() if k != "EAGLE3LAB_PATCH"}
     if patch is not None:

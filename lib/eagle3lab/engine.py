@@ -190,7 +190,8 @@ class WorkerReport:
 def describe_loaded_model(model: Any) -> dict[str, Any]:
     """Run inside a vLLM worker (``LLM.apply_model``): a JSON-able :class:`WorkerReport` of ``model``."""
     import torch.distributed as dist
-    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    from eagle3lab.vllm_compat import supports_eagle3
 
     lm = getattr(model, "language_model", None) or model  # Kimi-K2.5 wraps a DeepseekV3ForCausalLM
     inner = getattr(lm, "model", None)
@@ -481,7 +482,7 @@ def make_engine(kind: str, target_path: str | Path, device: str = "auto", dtype:
 
 def engine_from_params(params: Any, target_path: str | Path, log_dir: str | Path | None = None) -> Engine:
     """The engine a profile asks for, with every engine parameter honoured and the patch env attached."""
-    from eagle3lab.patch import plugin_env
+    from eagle3lab.plugin import plugin_env
 
     e = params.engine
     if e.kind == "reference":
