@@ -81,3 +81,24 @@ def test_sweep_extracts_once_trains_and_measures_each_choice(tmp_path):
     assert torch.allclose(alone[3]["aux"], all_sel[3]["aux"], atol=1e-5)
     with pytest.raises(ValueError, match="empty"):
         SW.sweep_aux_layers(eng, samples, tpath, [], heldout, tmp_path / "x", 2, 8, 64)
+
+
+def test_budget_and_ablation_figure():
+    from eagle3lab.acceptance import SpecDecodeStats, prompt_intervals
+
+    kw = SW.budgeted({"max_steps": None, "warmup": 20, "epochs": 6, "lr": 1e-3}, 24)
+    assert kw["max_steps"] == 24 and kw["warmup"] == 6 and kw["checkpoint_every"] == 24 and kw["lr"] == 1e-3
+    assert SW.budgeted({"max_steps": 10}, 24)["max_steps"] == 10
+    with pytest.raises(ValueError):
+        SW.budgeted({}, 0)
+
+    def iv(accepts):
+        s = SpecDecodeStats()
+        for a in accepts:
+            s.record_round(3, a)
+        return prompt_intervals([s, s], num_boot=50)
+
+    fig = SW.ablation_figure({"profile": ([1, 3, 5], iv([3, 2])), "early": ([1, 2, 3], iv([1, 0]))}, 6, "profile")
+    heat, bars = fig.data
+    assert list(bars.y) == ["early [1, 2, 3]", "profile [1, 3, 5]"]  # ranked, best last (top of the chart)
+    assert heat.z[1][0] == pytest.approx(3.5) and heat.z[1][1] is None  # profile uses id 1, not id 2

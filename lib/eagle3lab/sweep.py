@@ -111,14 +111,33 @@ class SelectedLayers(torch.utils.data.Dataset):
 
 def extract_all_layers(engine: Any, samples_path: str | Path, target_path: str | Path, out_dir: str | Path,
                        **extraction_kw: Any) -> Any:
-    """Extract every aux id (1..L) of the samples once (resumable); returns the HiddenStateDataset."""
-    from eagle3lab.hidden_states import HiddenStateDataset, decoder_parts, extract_hidden_states
+    """Extract every aux id (1..L) of the samples once (resumable); returns the HiddenStateDataset.
+
+    An existing extraction in ``out_dir`` made from other samples or settings is deleted and redone (the
+    folder holds nothing else): a rerun with another ``acceptance.layer_samples`` must not fail.
+    """
+    import shutil
+
+    from eagle3lab.hidden_states import MANIFEST, HiddenStateDataset, decoder_parts, extract_hidden_states
 
     if not hasattr(engine, "model"):
         raise ValueError("the aux-layer ablation needs the reference engine: it extracts hidden states in-process")
     num_layers = len(decoder_parts(engine.model)[1])
-    extract_hidden_states(engine.model, samples_path, list(range(1, num_layers + 1)), out_dir,
-                          target=target_path, device=engine.device, **extraction_kw)
+    ids = list(range(1, num_layers + 1))
+
+    def run() -> None:
+        extract_hidden_states(engine.model, samples_path, ids, out_dir, target=target_path, device=engine.device,
+                              **extraction_kw)
+
+    try:
+        run()
+    except ValueError:
+        if not (Path(out_dir) / MANIFEST).is_file():
+            raise
+        for p in Path(out_dir).iterdir():  # only the extraction's own files (the samples file may live here)
+            if p.name == MANIFEST or p.name.startswith("shard-"):
+                p.unlink() if p.is_file() else shutil.rmtree(p)
+        run()
     return HiddenStateDataset(out_dir)
 
 
@@ -219,3 +238,18 @@ def ablation_figure(
     fig.update_layout(title="Aux-layer ablation: same data, same training budget, same held-out prompts",
                       height=120 + 45 * len(names), margin={"l": 10})
     return fig
+
+
+def budgeted(train_kw: Mapping[str, Any], steps: int) -> dict[str, Any]:
+    """Training settings capped at ``steps`` optimizer steps (warmup at most a quarter of them, one checkpoint
+    at the end): the same reduced budget for every ablation drafter."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    kw = dict(train_kw)
+    kw["max_steps"] = min(steps, kw.get("max_steps") or steps)
+    kw["warmup"] = min(int(kw.get("warmup", 0)), kw["max_steps"] // 4)
+    kw["checkpoint_every"] = kw["max_steps"]
+    # A checkpoint of other settings (a rerun with another budget) is restarted, not refused: these drafters
+    # are cheap products of the all-layer states.
+    kw["on_mismatch"] = "restart"
+    return kw
