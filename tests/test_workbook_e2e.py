@@ -1,15 +1,17 @@
 """The real workbook, 00 through 05, end to end on the smoke profile, read back from its record.
 
-Regression bands: the figures of a measured run of this profile, on the code of 2026-11-29 21:05 UTC
-(after the embedded target's MLA dims changed; the smoke profile sets its own dims), CPU, seed 0:
+Regression bands: the figures of two measured runs of this profile (CPU, seed 0), after the embedded
+target's MLA dims changed (the smoke profile sets its own dims):
 
-    target.heldout_ppl 170.17 (loss 5.137; unigram entropy 5.287 nats = perplexity 197.8)
-    train.final_loss 12.81 after 4 TTT steps
-    acceptance.mean_acceptance_length 1.703 (per position 0.703 / 0.0 / 0.0, 37 drafts)
-    hidden.verify_max_abs_diff 0.0
+    2026-11-29 21:05 UTC   target.heldout_ppl 170.1737 (loss 5.137; unigram entropy 5.287 nats = ppl 197.8)
+                           train.final_loss 12.81 (4 TTT steps); acceptance.mean_acceptance_length 1.703
+                           (per position 0.703 / 0 / 0); hidden aux agreement 0.0
+    2026-11-29 21:27 UTC   target.heldout_ppl 170.1737; train.final_loss 12.70; mean acceptance length 1.848
+                           (per position 0.848 / 0 / 0); hidden.verify_max_rel_diff 0.0
 
-Everything is seeded and runs on the CPU, so a rerun differs only by thread-count rounding (far below the
-bands). The bands are narrow enough to fail on a broken pipeline: a target that learns nothing beyond
+Everything is seeded and runs on the CPU: the target's perplexity is identical to 7 digits across the two
+runs. The drafter's figures moved because sample generation changed in between (prompts of varying length),
+not from noise; the bands hold both. The bands are narrow enough to fail on a broken pipeline: a target that learns nothing beyond
 token frequencies sits at the unigram perplexity (197.8, outside [160, 182]); an untrained one near the
 vocabulary size (512); and acceptance or training figures move by more than the bands when a step
 changes what it computes. When a change is meant to move a figure, rerun the profile and re-pin here,
@@ -31,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # (low, high) per metric; see the module docstring for the measured values.
 BANDS = {
     "target.heldout_ppl": (160.0, 182.0),
-    "train.final_loss": (11.5, 14.1),
-    "acceptance.mean_acceptance_length": (1.5, 1.9),
+    "train.final_loss": (11.5, 14.0),
+    "acceptance.mean_acceptance_length": (1.55, 2.1),
 }
 
 
@@ -57,7 +59,7 @@ def test_smoke_workbook_end_to_end(tmp_path):
     assert math.isclose(m["target.heldout_ppl"], math.exp(m["target.heldout_loss"]), rel_tol=1e-6)
     # 03: aux states at the configured ids, captured exactly as the hand computation gives them.
     assert m["hidden.aux_layer_ids"] == [1, 2, 4]
-    assert m["hidden.verify_max_abs_diff"] < AUX_AGREEMENT_TOL
+    assert m["hidden.verify_max_rel_diff"] < AUX_AGREEMENT_TOL
     # 05: speculative decoding does not change the output; counters are consistent.
     assert m["acceptance.outputs_match_greedy"] is True
     rates = m["acceptance.per_position_rate"]
