@@ -116,7 +116,8 @@ def test_every_page_opens_offline_and_draws(smoke_run, browser):
 
 @pytest.mark.slow
 def test_run_record_is_readable(smoke_run):
-    """run.log: one line per step and per real warning; notebooks: no Out[] values (display explicitly)."""
+    """run.log: one line per step and per real warning; notebooks: no Out[] values (display explicitly) and no
+    progress bar in the record (every module's bars go through eagle3lab.progress, silent in batch runs)."""
     import nbformat
 
     run_dir = smoke_run.run_dir
@@ -124,11 +125,15 @@ def test_run_record_is_readable(smoke_run):
     steps = json.loads((run_dir / "metrics.json").read_text())["steps"]
     assert len(lines) <= 3 + 2 * len(steps) + 10, "\n".join(lines)
     for s in steps:
-        assert sum(f" {s['name']}: {s['status']}" in ln for ln in lines) == 1, (s["name"], lines)
+        said = f" {s['name']}: skipped" if s["status"] == "skipped" else f" {s['name']}: {s['status']} in "
+        assert sum(said in ln for ln in lines) == 1, (s["name"], lines)
     assert not any(NOISE.search(ln) for ln in lines), [ln for ln in lines if NOISE.search(ln)]
     for s in steps:
         if s["ipynb"]:
             nb = nbformat.read(str(run_dir / s["ipynb"]), as_version=4)
-            stray = [c.execution_count for c in nb.cells for o in c.get("outputs", [])
-                     if o.output_type == "execute_result"]
+            outs = [(c.execution_count, o) for c in nb.cells for o in c.get("outputs", [])]
+            stray = [n for n, o in outs if o.output_type == "execute_result"]
             assert stray == [], f"{s['ipynb']}: cells {stray} end in a bare expression (Out[] on the page)"
+            bars = [n for n, o in outs if report.WIDGET_MIME in o.get("data", {})
+                    or (o.output_type == "stream" and NOISE.search(o.text))]
+            assert bars == [], f"{s['ipynb']}: cells {bars} carry a progress bar (use eagle3lab.progress)"
