@@ -19,6 +19,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from eagle3lab.errors import InputError
 
@@ -97,7 +98,32 @@ def _cmd_validate(a: argparse.Namespace) -> int:
     p = params.load(a.file, a.overrides)
     print(yaml.safe_dump(params.to_jsonable(p), sort_keys=False), end="")
     print(f"# {a.file}: valid")
+    for line in _servable_lines(p):
+        print(line, file=sys.stderr)
     return EXIT_OK
+
+
+def _servable_lines(p: Any) -> list[str]:
+    """Warnings, before any work, when the installed vLLM would refuse the profile's target or drafter."""
+    from eagle3lab import servable, vllm_compat
+
+    if not vllm_compat.vllm_version():
+        return []
+    try:
+        from eagle3lab.drafter import default_drafter_heads
+        from eagle3lab.servable import _text_config, read_config
+
+        if p.target.source == "checkpoint":
+            cfg = _text_config(read_config(p.target.path)[0])
+        else:
+            cfg = {"hidden_size": p.target.embedded.hidden_size, "num_attention_heads": p.target.embedded.num_attention_heads}
+        width = p.drafter.hidden_size or int(cfg["hidden_size"])
+        heads = p.drafter.num_attention_heads or default_drafter_heads(width, cfg.get("num_attention_heads"))
+        found = servable.check_profile(p, heads)
+    except Exception as exc:  # noqa: BLE001 - checking is advice: never block validation on it
+        return [f"# servability not checked on this vLLM: {type(exc).__name__}: {exc}"]
+    where = "" if p.engine.kind == "vllm" else " (this profile's engine is the reference engine)"
+    return [f"# vLLM {f.level}{where}: {f.message}" for f in found if f.level != "ok"]
 
 
 def _cmd_diagnose(a: argparse.Namespace) -> int:

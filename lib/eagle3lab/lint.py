@@ -351,6 +351,8 @@ def lint_drafter(drafter_config: str | Path, target_config: str | Path) -> LintR
 
     # -- does this vLLM accept the drafter? ------------------------------------------------------------
     _lint_architecture(report, dcfg, layer_cfg)
+    # -- will the installed vLLM serve them (rules read from vLLM: servable) ------------------------------
+    _add_servable(report, dcfg, Path(target_config))
     return report
 
 
@@ -399,3 +401,18 @@ def format_lint(r: LintReport) -> str:
     for f in sorted(r.findings, key=lambda f: order[f.severity]):
         lines.append(f"  {f.severity.upper():7s} {f.code}: {f.message}")
     return "\n".join(lines)
+
+
+def _add_servable(report: LintReport, dcfg: dict[str, Any], target: Path) -> None:
+    """The drafter's head_dim and the target's MLA dims / router keys against the installed vLLM."""
+    from eagle3lab import servable
+
+    if not vllm_compat.vllm_version():
+        return
+    try:
+        found = servable.check_drafter_config(dcfg) + servable.check_target(target)
+    except Exception as exc:  # noqa: BLE001 - a vLLM without these modules: say so, do not fail the lint
+        report.add("info", "SERVABLE_UNKNOWN", f"could not check servability on this vLLM: {type(exc).__name__}: {exc}")
+        return
+    for f in found:
+        report.add({"ok": "info"}.get(f.level, f.level), f.code, f.message)
