@@ -47,7 +47,9 @@ def _drafter(tmp_path, tensors=None, **over):
     cfg = {
         "speculators_model_type": "eagle3",
         "architectures": ["Eagle3Speculator"],
-        "transformer_layer_config": {"model_type": "llama", "hidden_size": H, "num_hidden_layers": 1},
+        # Published Kimi-K2.5 drafters keep head_dim 128 (56 heads at 7168): a shape vLLM serves.
+        "transformer_layer_config": {"model_type": "llama", "hidden_size": H, "num_hidden_layers": 1,
+                                     "num_attention_heads": 56, "head_dim": 128},
         "draft_vocab_size": 32000,
         "target_hidden_size": H,
         "eagle_aux_hidden_state_layer_ids": [2, 30, 58],
