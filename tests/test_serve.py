@@ -275,6 +275,21 @@ def test_engine_generate_and_speculative_against_standin(tmp_path):
         eng.speculative_generate(prompts, tmp_path / "missing", 3, 4)
 
 
+def test_engine_reports_a_server_that_died(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    with VllmServedEngine(target, log_dir=tmp_path / "logs", command=STANDIN, tokenizer=_Tok(),
+                          startup_timeout_s=30, shutdown_grace_s=5) as eng:  # fmt: skip
+        eng.generate([[1]], 2)
+        pgid = eng.server.pgid
+        os.killpg(pgid, signal.SIGKILL)  # e.g. the OOM killer
+        wait_gone(pgid)
+        with pytest.raises(ServerError, match=r"exited unexpectedly with code -9(.|\n)*standin: listening"):
+            eng.generate([[1]], 2)
+        assert eng.server is None and len(eng.launches) == 1  # not restarted behind our back
+
+
 # ----------------------------------------------------------------------------------------------------
 # a real vLLM server on the CPU
 

@@ -518,7 +518,9 @@ class VllmServedEngine:
             drafter_path=None if drafter_path is None else str(Path(drafter_path).resolve()),
             num_speculative_tokens=k,
         )
-        if self.server is not None and self.server.spec == spec and self.server.running():
+        if self.server is not None and not self.server.running():
+            self._raise_died()
+        if self.server is not None and self.server.spec == spec:
             return self.server
         self.close()
         log = self.log_dir / f"vllm-serve-{len(self.launches) + 1:02d}-{spec.label}.log"
@@ -537,6 +539,17 @@ class VllmServedEngine:
         )
         return server
 
+    def _raise_died(self) -> None:
+        # A server that died under us is an error to report, not something to restart quietly.
+        assert self.server is not None
+        server = self.server
+        rc = server.proc.poll() if server.proc is not None else None
+        self.close()
+        raise ServerError(
+            f"vllm serve ({server.spec.label}) exited unexpectedly with code {rc}; last lines of "
+            f"{server.log_path}:\n{server.log_tail()}"
+        )
+
     def close(self) -> None:
         """Stop the running server, if any."""
         if self.server is not None:
@@ -551,6 +564,18 @@ class VllmServedEngine:
 
     # -- requests
     def _complete(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[int]:
+        import openai
+
+        try:
+            return self._complete_once(prompt, max_new_tokens, temperature, top_p, seed)
+        except openai.APIConnectionError:
+            if self.server is not None and not self.server.running():
+                self._raise_died()
+            raise
+
+    def _complete_once(
+        self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[int]:
         r = self._client.completions.create(
             model=self.base_spec.served_model_name,
             prompt=[list(prompt)],  # a list of token-id lists: vLLM takes the ids as they are
