@@ -475,7 +475,9 @@ def make_engine(kind: str, target_path: str | Path, device: str = "auto", dtype:
         if mode == "served":
             from eagle3lab.serve import VllmServedEngine
 
-            return VllmServedEngine(target_path, dtype=dtype, **kw)
+            # the server inherits the patch through its environment, like the offline engine's processes
+            env = kw.pop("patch_env", None)
+            return VllmServedEngine(target_path, dtype=dtype, env=env, **kw)
         return VllmEngine(target_path, dtype=dtype, **kw)
     raise ValueError(f"engine.kind {kind!r}: expected 'reference' or 'vllm'")
 
@@ -495,9 +497,9 @@ def engine_from_params(params: Any, target_path: str | Path, log_dir: str | Path
         patch_env=plugin_env(params.patch.apply, params.patch.force, params.patch.legacy_simulation),
     )  # fmt: skip
     if e.mode == "served":
-        kw["mode"] = "served"
-        if log_dir is not None:
-            kw["log_dir"] = log_dir
+        if log_dir is None:
+            raise ValueError("engine.mode 'served' needs a log folder for the server's log (log_dir)")
+        kw.update(mode="served", log_dir=log_dir)
     return make_engine("vllm", target_path, e.device, params.target.dtype, **kw)
 
 

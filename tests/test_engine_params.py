@@ -1,0 +1,66 @@
+"""Every engine parameter of a profile reaches the vLLM engine it builds (no GPU: engines start lazily)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3lab import engine as E
+from eagle3lab import params
+from eagle3lab import target as T
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    T.build_embedded_target(T.tiny_spec(train_steps=2), path, seed=0)
+    return path
+
+
+def _profile(**over: object) -> params.Params:
+    items = [f"{k}={json.dumps(v)}" for k, v in over.items()]
+    return params.load("params/embedded-gpu.yaml", items)
+
+
+def test_offline_engine_gets_every_engine_parameter(tiny_target) -> None:
+    p = _profile(**{"engine.tensor_parallel_size": 2, "engine.gpu_memory_utilization": 0.31,
+                    "engine.max_model_len": 777, "engine.enforce_eager": True, "seed": 5})
+    eng = E.engine_from_params(p, tiny_target)
+    assert isinstance(eng, E.VllmEngine)
+    o = eng.options
+    assert (o["tensor_parallel_size"], o["gpu_memory_utilization"], o["max_model_len"], o["enforce_eager"], o["seed"]) == (
+        2, 0.31, 777, True, 5)
+    assert o["dtype"] == "bfloat16" and o["trust_remote_code"] is False and o["disable_log_stats"] is False
+    # the patch the profile asks for travels to vLLM's processes through the plugin's variable
+    patch = json.loads(eng.patch_env["EAGLE3LAB_PATCH"])
+    assert patch == {"apply": True, "force": False, "legacy_simulation": True}
+
+
+def test_trust_remote_code_only_when_stated(tiny_target) -> None:
+    assert E.engine_from_params(_profile(), tiny_target).options["trust_remote_code"] is False
+    eng = E.engine_from_params(_profile(**{"target.trust_remote_code": True}), tiny_target)
+    assert eng.options["trust_remote_code"] is True
+
+
+def test_served_mode_builds_the_served_engine_with_the_patch_env(tiny_target, tmp_path) -> None:
+    from eagle3lab.serve import VllmServedEngine
+
+    p = _profile(**{"engine.mode": "served", "patch.force": True})
+    eng = E.engine_from_params(p, tiny_target, log_dir=tmp_path)
+    try:
+        assert isinstance(eng, VllmServedEngine)
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match="log folder"):
+        E.engine_from_params(p, tiny_target)
+
+
+def test_reference_profile_gets_the_reference_engine(tiny_target) -> None:
+    p = params.load("params/embedded.yaml")
+    assert isinstance(E.engine_from_params(p, tiny_target), E.ReferenceEngine)
+
+
+def test_vllm_engine_refuses_a_missing_target(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        E.VllmEngine(tmp_path)
