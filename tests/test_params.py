@@ -11,6 +11,8 @@ import yaml
 from eagle3lab import params
 
 ROOT = Path(__file__).resolve().parents[1]
+# The shipped sample prompts file is small (a dozen prompts): these tests are about the checkpoint and paths.
+FEW_PROMPTS = ["data.num_prompts=8", "data.heldout_prompts=4"]
 
 
 def _write(tmp_path: Path, data: dict, name: str = "p.yaml") -> Path:
@@ -34,7 +36,7 @@ def test_kimi_profile_needs_the_users_checkpoint(tmp_path):
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps(
         {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {"num_hidden_layers": 61}}))
-    p = params.load(ROOT / "params" / "kimi-k2.5-8gpu.yaml", [f"target.path={ckpt}"])
+    p = params.load(ROOT / "params" / "kimi-k2.5-8gpu.yaml", [f"target.path={ckpt}", *FEW_PROMPTS])
     assert p.target.trust_remote_code is True
     assert p.engine.tensor_parallel_size == 8
     assert p.target_num_layers() == 61
@@ -95,12 +97,12 @@ def test_relative_paths_resolve_against_the_repo_root(tmp_path, monkeypatch):
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps({"architectures": ["X"], "num_hidden_layers": 61}))
     monkeypatch.chdir(tmp_path)  # not the repository: the profile's prompts_file is relative to the repo
-    p = params.load(ROOT / "params" / "kimi-k2.5-8gpu.yaml", [f"target.path={ckpt}"])
+    p = params.load(ROOT / "params" / "kimi-k2.5-8gpu.yaml", [f"target.path={ckpt}", *FEW_PROMPTS])
     assert p.data.prompts_file == ROOT / "params" / "prompts" / "sample-prompts.jsonl"
     assert p.data.prompts_file.is_file()
     # a relative target.path is the repository's too (here: one that does not exist there)
     with pytest.raises(params.ParamsError) as e:
-        params.load(ROOT / "params" / "kimi-k2.5-8gpu.yaml", ["target.path=ckpt"])
+        params.load(ROOT / "params" / "kimi-k2.5-8gpu.yaml", ["target.path=ckpt", *FEW_PROMPTS])
     assert e.value.field == "target.path" and str(ROOT / "ckpt") in e.value.reason
 
 
