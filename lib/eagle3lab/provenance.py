@@ -52,3 +52,48 @@ def changed(stored: dict[str, Any] | None, current: dict[str, Any]) -> list[str]
     """The keys of ``current`` whose value differs from ``stored`` (all of them when nothing was stored)."""
     stored = stored or {}
     return [k for k in current if stored.get(k) != current[k]]
+
+
+RECORD = "provenance.json"
+
+
+class StaleArtifactError(ValueError):
+    """An artifact on disk was made from other inputs than the ones given now (``changed`` names them)."""
+
+    def __init__(self, where: Path, changed_keys: list[str]) -> None:
+        self.where, self.changed_keys = where, changed_keys
+        super().__init__(f"{where}: made from other inputs ({', '.join(changed_keys)} changed); delete it or rebuild")
+
+
+def guard(folder: str | Path, made_from: dict[str, Any], outputs: list[str | Path], on_stale: str = "rebuild") -> list[str]:
+    """Make a resumable step safe: compare ``made_from`` with the record in ``folder``; on a mismatch delete
+    ``outputs`` (``on_stale="rebuild"``) or raise :class:`StaleArtifactError` (``"refuse"``); then record
+    ``made_from``. Returns the keys that changed ([] when the folder is new or matches).
+
+    A folder with outputs but no record (made before records existed) counts as stale: nothing says what
+    it was made from. Call it before the step resumes, e.g. ``guard(data_dir, {"target":
+    model_fingerprint(model), "max_new_tokens": n}, [samples_path])``.
+    """
+    if on_stale not in ("rebuild", "refuse"):
+        raise ValueError(f"on_stale {on_stale!r}: expected 'rebuild' or 'refuse'")
+    folder = Path(folder)
+    record = folder / RECORD
+    current = json.loads(json.dumps(made_from, sort_keys=True, default=str))
+    existing = [Path(p) for p in outputs if Path(p).exists()]
+    stored = json.loads(record.read_text()) if record.is_file() else None
+    stale = [] if (stored is None and not existing) else changed(stored, current)
+    if stale and on_stale == "refuse":
+        raise StaleArtifactError(folder, stale)
+    if stale:
+        for p in existing:
+            if p.is_dir():
+                import shutil
+
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_name(RECORD + ".tmp")
+    tmp.write_text(json.dumps(current, indent=1, sort_keys=True))
+    tmp.replace(record)
+    return stale
