@@ -453,6 +453,22 @@ def probe_launch(
     )  # fmt: skip
 
 
+def random_probe_drafter(
+    target_path: str | Path, aux_layer_ids: list[int], out_dir: str | Path, draft_vocab_size: int = 256, seed: int = 0
+) -> Path:
+    """An untrained EAGLE-3 drafter of the target, in the format vLLM loads: enough to make vLLM ask the
+    target for aux hidden states (and so to meet the refusal) before any drafter has been trained."""
+    import json
+
+    from eagle3lab.drafter import build_drafter, save_drafter, target_embedding_weights
+
+    cfg = json.loads((Path(target_path) / "config.json").read_text())
+    embed, head = target_embedding_weights(target_path)
+    vocab = int(cfg.get("vocab_size") or embed.shape[0])
+    drafter = build_drafter(cfg, aux_layer_ids, torch.ones(vocab), min(draft_vocab_size, vocab), embed, head, seed=seed)
+    return save_drafter(drafter, out_dir, target_path)
+
+
 def _probe_child(job: dict[str, Any]) -> None:
     """The child of :func:`probe_launch` (``python -m eagle3lab.engine JOB``)."""
     import json
