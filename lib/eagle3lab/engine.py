@@ -25,6 +25,10 @@ class SpeculativeResult:
     # One eagle3lab.speculate.DecodeTrace per prompt (every round's drafts) where the engine can see the
     # rounds (the reference decoder), else None.
     traces: list[Any] | None = None
+    # Wall seconds of the speculative batch, and of the same prompts without speculation, measured by a
+    # real engine in the same process (start-up excluded); None where the engine cannot measure them.
+    decode_seconds: float | None = None
+    baseline_seconds: float | None = None
 
 
 @runtime_checkable
@@ -338,8 +342,19 @@ class VllmEngine:
         seed: int = 0,
     ) -> list[list[int]]:
         """New tokens per prompt from the target alone (no speculation), ending at EOS (included)."""
+        import time
+
         _check_prompts(prompt_ids)
-        return self._run(self.llm(None), prompt_ids, self._sampling(max_new_tokens, temperature, top_p, seed))
+        llm = self.llm(None)
+        t0 = time.perf_counter()
+        out = self._run(llm, prompt_ids, self._sampling(max_new_tokens, temperature, top_p, seed))
+        # kept so that a speculative run of the same workload can report a measured speedup
+        self._last_plain = (self._workload(prompt_ids, max_new_tokens, temperature), time.perf_counter() - t0)
+        return out
+
+    @staticmethod
+    def _workload(prompt_ids: list[list[int]], max_new_tokens: int, temperature: float) -> int:
+        return hash((tuple(map(tuple, prompt_ids)), max_new_tokens, temperature))
 
     def speculative_generate(
         self,
@@ -356,6 +371,8 @@ class VllmEngine:
         The whole batch runs once (outputs and totals); with ``per_prompt`` every prompt then runs alone
         so that its counters can be told apart (vLLM's counters are engine-wide, not per request).
         """
+        import time
+
         from eagle3lab.acceptance import stats_from_vllm_metrics
 
         _check_prompts(prompt_ids)
@@ -365,8 +382,12 @@ class VllmEngine:
                         "num_speculative_tokens": int(num_speculative_tokens)})
         sp = self._sampling(max_new_tokens, temperature, 1.0, seed)
         before = llm.get_metrics()
+        t0 = time.perf_counter()
         outputs = self._run(llm, prompt_ids, sp)
+        decode_s = time.perf_counter() - t0
         stats = stats_from_vllm_metrics(before, llm.get_metrics())
+        plain = getattr(self, "_last_plain", None)
+        baseline_s = plain[1] if plain and plain[0] == self._workload(prompt_ids, max_new_tokens, temperature) else None
         each = None
         if per_prompt:
             each = []
@@ -374,7 +395,8 @@ class VllmEngine:
                 b = llm.get_metrics()
                 self._run(llm, [p], sp)
                 each.append(stats_from_vllm_metrics(b, llm.get_metrics()))
-        return SpeculativeResult(outputs=outputs, stats=stats, per_prompt=each)
+        return SpeculativeResult(outputs=outputs, stats=stats, per_prompt=each, decode_seconds=decode_s,
+                                 baseline_seconds=baseline_s)
 
     # -- inspection
     def worker_reports(self) -> list[WorkerReport]:
