@@ -165,7 +165,9 @@ METRICS = {
                   "target.train_steps_done": 30, "target.train_seconds": 5.6},
     "02_patch": {"patch.verdict": "supported", "conclusion": "3 of 3 classes pass after the patch.",
                  "patch.before.KimiK25ForConditionalGeneration.supports_eagle3": False,
-                 "patch.after.KimiK25ForConditionalGeneration.supports_eagle3": True},
+                 "patch.after.KimiK25ForConditionalGeneration.supports_eagle3": True,
+                 "patch.engine.refused_without_patch": True, "patch.engine.served_with_patch": True,
+                 "patch.engine.workers": [{"rank": 0}], "patch.engine.refusal_message": "Model does not support"},
     "05_acceptance": {"acceptance.k": 3, "acceptance.mean_acceptance_length": 3.48, "acceptance.tau_ci95": [3.3, 3.6],
                       "acceptance.conditional_rate": [0.895, 0.908, 0.954],
                       "acceptance.cumulative_rate": [0.895, 0.813, 0.776], "acceptance.modelled_speedup": 2.1,
@@ -182,6 +184,7 @@ def test_overview_page_groups_figures_with_context():
     assert "89.5% / 90.8% / 95.4%" in page and "conditional acceptance per position" in page
     assert "MODELLED" in page and "measured speedup</td><td class='val'>not measured" in page
     assert "3 of 3 classes pass after the patch." in page  # the notebook's own conclusion wins
+    assert "refused without the patch, served with it" in page and "1 worker(s)" in page
     assert "Trained a 208,384-parameter target" in page  # derived when the notebook gave none
     assert "class='caveat'>&#9888; Degenerate data: 77% of rounds" in page
     assert page.count('class="plotly-graph-div"') == 1 and '<script src="plotly.min.js">' in page

@@ -119,6 +119,12 @@ def headline(m: Mapping[str, Any]) -> list[Group]:
         vllm.add(f"supports_eagle3({WRAPPER})", f"{yesno(before)} before the patch, {yesno(after)} after",
                  "the class vLLM's model runner checks; 'no' is the refusal")
     vllm.add("refusal raised at", m.get("diagnose.raise_site"))
+    if m.get("patch.engine.served_with_patch") is not None:  # 02 launched a real vLLM engine (GPU profiles)
+        refused = m.get("patch.engine.refused_without_patch")
+        vllm.add("real vLLM engine", f"{'refused' if refused else 'started'} without the patch, "
+                 f"{'served' if m['patch.engine.served_with_patch'] else 'FAILED'} with it",
+                 f"MEASURED in fresh engine processes; {len(m.get('patch.engine.workers') or [])} worker(s) "
+                 f"reported the patched classes. Refusal: {m.get('patch.engine.refusal_message') or '-'}")
 
     data = Group("Data and aux hidden states")
     if m.get("data.num_samples") is not None:
