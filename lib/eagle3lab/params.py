@@ -259,6 +259,13 @@ class Params(_Strict):
             problems.append(("engine.tensor_parallel_size", "tensor parallelism needs engine.kind 'vllm'"))
         if self.data.prompts_file is not None and not Path(self.data.prompts_file).is_file():
             problems.append(("data.prompts_file", f"file does not exist: {self.data.prompts_file}"))
+        elif self.data.prompts_file is not None:
+            have = _count_jsonl_records(Path(self.data.prompts_file))
+            need = self.data.num_prompts + self.data.heldout_prompts
+            if have < need:
+                problems.append(("data.prompts_file", f"{self.data.prompts_file} holds {have} prompts; the profile asks "
+                                 f"for {need} (data.num_prompts {self.data.num_prompts} + data.heldout_prompts "
+                                 f"{self.data.heldout_prompts})"))
         if t.source == "checkpoint" and self.data.prompts_file is None:
             problems.append(("data.prompts_file", "a checkpoint target needs a prompts file (JSONL)"))
         num_layers = self.target_num_layers()
@@ -405,3 +412,12 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Params:
 def to_jsonable(params: Params) -> dict[str, Any]:
     """A plain-JSON dict of the params (paths as strings): what papermill injects into notebooks."""
     return json.loads(params.model_dump_json())
+
+
+def _count_jsonl_records(path: Path) -> int:
+    """Non-empty lines of a JSONL prompts file (read once at validation; files of 10^5 lines take milliseconds)."""
+    try:
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            return sum(1 for line in fh if line.strip())
+    except OSError:
+        return 0
