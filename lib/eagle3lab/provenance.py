@@ -48,6 +48,41 @@ def model_fingerprint(model: Any, values_per_tensor: int = 16) -> str:
     return h.hexdigest()
 
 
+def sha256_tensor(t: Any) -> str:
+    """sha256 of a CPU tensor's bytes, with its dtype and shape (a token stream, for one)."""
+    arr = t.detach().cpu().contiguous().numpy()
+    return hashlib.sha256(f"{arr.dtype}|{arr.shape}|".encode() + arr.tobytes()).hexdigest()
+
+
+def checkpoint_fingerprint(folder: str | Path) -> str:
+    """A cheap fingerprint of a saved checkpoint folder: config.json's bytes, and every weight file's name,
+    size and first and last MiB (enough to tell a retrained or replaced checkpoint from the same one)."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    cfg = folder / "config.json"
+    if cfg.is_file():
+        h.update(cfg.read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}|{size}|".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(_CHUNK))
+            if size > _CHUNK:
+                fh.seek(max(_CHUNK, size - _CHUNK))
+                h.update(fh.read(_CHUNK))
+    return h.hexdigest()
+
+
+def engine_fingerprint(engine: Any) -> str:
+    """What an engine generates with: its in-process model's weights (reference engine), else the
+    checkpoint folder it serves (vLLM engines keep the model in other processes)."""
+    model = getattr(engine, "model", None)
+    if model is not None and hasattr(model, "state_dict"):
+        return model_fingerprint(model)
+    path = getattr(engine, "target_path", None) or getattr(engine, "path", None)
+    return checkpoint_fingerprint(path) if path is not None else "unknown"
+
+
 def changed(stored: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
     """The keys of ``current`` whose value differs from ``stored`` (all of them when nothing was stored)."""
     stored = stored or {}

@@ -11,6 +11,7 @@ EAGLE-3 drafters learn best from the target's own outputs, so (as the original d
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -237,6 +238,17 @@ def generate_samples(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / SAMPLES
+    # Never resume samples made by another target or with other settings (lab run folders are reused):
+    # provenance.guard deletes them and says which input changed.
+    from eagle3lab import provenance
+
+    stale = provenance.guard(out, {
+        "engine": provenance.engine_fingerprint(engine), "prompts": provenance.sha256_json([list(p) for p in prompts]),
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "batch_size": batch_size,
+        "seed": seed,
+    }, [path])
+    if stale:
+        logging.getLogger(__name__).warning("%s: made from other inputs (%s changed): regenerating", path, ", ".join(stale))
     done = _repair_tail(path)
     n_batches = (len(prompts) + batch_size - 1) // batch_size
     todo = [

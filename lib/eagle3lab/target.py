@@ -340,6 +340,20 @@ def train_target(
     losses: list[float] = []
     start = 0
     ckpt = Path(checkpoint_dir) / "train_state.pt" if checkpoint_dir is not None else None
+    if ckpt is not None:
+        # Never resume a run made for another config, corpus or schedule (lab run folders are reused):
+        # provenance.guard deletes the checkpoint and says which input changed.
+        from eagle3lab import provenance
+
+        stale = provenance.guard(ckpt.parent, {
+            "config": config.to_dict(), "corpus": provenance.sha256_tensor(train_stream), "steps": steps,
+            "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "seed": seed,
+        }, [ckpt])
+        if stale:
+            import logging
+
+            logging.getLogger(__name__).warning("%s: made for other inputs (%s changed): training afresh",
+                                                ckpt, ", ".join(stale))
     if ckpt is not None and ckpt.is_file():
         state = torch.load(ckpt, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
