@@ -255,18 +255,21 @@ def test_engine_generate_and_speculative_against_standin(tmp_path):
         shutdown_grace_s=5,
     ) as eng:  # fmt: skip
         assert isinstance(eng, Engine)
-        out = eng.generate(prompts, 5)
-        assert out == [[4, 5, 6, 7, 8], [11, 12, 13, 14, 15], [0, 1, 2, 3, 4]]  # the stand-in's rule, mod 320
+        out = eng.generate(prompts, 6)
+        assert out == [[4, 5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16], [0, 1, 2, 3, 4, 5]]  # the stand-in's rule
         first = eng.server
         res = eng.speculative_generate(prompts, drafter, 3, 6)
         assert first.pgid != eng.server.pgid and wait_gone(first.pgid, 0) == []  # one server at a time
-        assert res.outputs == [[(p[-1] + 1 + j) % 320 for j in range(6)] for p in prompts]
+        assert res.outputs == out
         rounds = math.ceil((6 - 1) / 2)
         assert [s.num_drafts for s in res.per_prompt] == [rounds] * 3
+        # The batch's totals (one /metrics difference) equal the per-prompt runs' counters added up.
         assert res.stats == sum(res.per_prompt, SpecDecodeStats(accepted_per_pos=[0, 0, 0]))
         assert res.stats.num_draft_tokens == 3 * 3 * rounds and res.stats.accepted_per_pos == [3 * rounds, 0, 0]
-        again = eng.speculative_generate(prompts[:1], drafter, 3, 6)  # same server, counters differenced
-        assert again.stats.num_drafts == rounds and len(eng.launches) == 2
+        assert res.decode_seconds > 0 and res.baseline_seconds > 0  # same workload as the generate above
+        again = eng.speculative_generate(prompts[:1], drafter, 3, 5, per_prompt=False)  # same server
+        assert again.stats.num_drafts == 2 and again.per_prompt is None and again.baseline_seconds is None
+        assert len(eng.launches) == 2
         assert [x["label"] for x in eng.launches] == ["baseline", "eagle3-k3-drafter"]
         assert all(Path(x["log"]).is_file() for x in eng.launches)
         last = eng.server.pgid

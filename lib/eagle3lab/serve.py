@@ -508,6 +508,7 @@ class VllmServedEngine:
         self.server: VllmServer | None = None
         self.launches: list[dict[str, Any]] = []  # label, log, startup seconds: for the notebook's record
         self._client: Any = None
+        self._last_plain: tuple[int, float] | None = None  # (workload, seconds) of the last generate
 
     # -- servers
     def _server_for(self, drafter_path: str | Path | None, k: int = 0) -> VllmServer:
@@ -593,6 +594,22 @@ class VllmServedEngine:
             raise ServerError("the server returned no token_ids: does this vLLM support return_token_ids?")
         return cut_at_eos([int(t) for t in ids], self.eos_token_id)[:max_new_tokens]
 
+    def _batch(
+        self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[list[int]]:
+        # One request per prompt, all in flight at once: vLLM batches them (continuous batching), and each
+        # prompt gets its own seed (seed + i).
+        with ThreadPoolExecutor(max_workers=min(32, len(prompt_ids))) as pool:
+            futures = [
+                pool.submit(self._complete, p, max_new_tokens, temperature, top_p, seed + i)
+                for i, p in enumerate(prompt_ids)
+            ]
+            return [f.result() for f in futures]
+
+    @staticmethod
+    def _workload(prompt_ids: list[list[int]], max_new_tokens: int, temperature: float) -> int:
+        return hash((tuple(map(tuple, prompt_ids)), max_new_tokens, temperature))
+
     def generate(
         self,
         prompt_ids: list[list[int]],
@@ -601,18 +618,15 @@ class VllmServedEngine:
         top_p: float = 1.0,
         seed: int = 0,
     ) -> list[list[int]]:
-        """New tokens per prompt from the baseline server. Requests go out concurrently (vLLM batches
-        them); prompt i is sampled with seed ``seed + i``."""
+        """New tokens per prompt from the baseline server; prompt i is sampled with seed ``seed + i``."""
         _check_prompts(prompt_ids)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self._server_for(None)
-        with ThreadPoolExecutor(max_workers=min(32, len(prompt_ids))) as pool:
-            futures = [
-                pool.submit(self._complete, p, max_new_tokens, temperature, top_p, seed + i)
-                for i, p in enumerate(prompt_ids)
-            ]
-            return [f.result() for f in futures]
+        t0 = time.perf_counter()  # server start-up excluded, as in the offline engine
+        out = self._batch(prompt_ids, max_new_tokens, temperature, top_p, seed)
+        self._last_plain = (self._workload(prompt_ids, max_new_tokens, temperature), time.perf_counter() - t0)
+        return out
 
     def spec_decode_stats(self) -> SpecDecodeStats:
         """Cumulative spec-decode counters of the running server."""
@@ -628,37 +642,48 @@ class VllmServedEngine:
         max_new_tokens: int,
         temperature: float = 0.0,
         seed: int = 0,
+        per_prompt: bool = True,
     ) -> SpeculativeResult:
         """EAGLE-3 decoding on a server launched with this drafter and k.
 
-        Prompts go one at a time, with ``/metrics`` read between them, so that each prompt's counters
-        are known (``per_prompt``); vLLM records a step's counters before the step's outputs reach the
-        HTTP handler, and a last read after the loop checks that nothing arrived late.
+        The whole batch runs once (outputs, totals from the ``/metrics`` difference, wall time); with
+        ``per_prompt`` every prompt then runs alone with ``/metrics`` read around it, since vLLM's
+        counters are server-wide, not per request. vLLM records a step's counters before the step's
+        outputs reach the HTTP handler; a last read after the loop checks that nothing arrived late.
         """
         _check_prompts(prompt_ids)
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if not Path(drafter_path).is_dir():
             raise FileNotFoundError(f"drafter folder does not exist: {drafter_path}")
-        server = self._server_for(drafter_path, num_speculative_tokens)
-        first = prev = server.metrics_text()
-        outputs: list[list[int]] = []
-        per_prompt: list[SpecDecodeStats] = []
-        for i, p in enumerate(prompt_ids):
-            outputs.append(self._complete(p, max_new_tokens, temperature, 1.0, seed + i))
-            now = server.metrics_text()
-            per_prompt.append(_with_positions(stats_from_metrics_text(prev, now), num_speculative_tokens))
-            prev = now
-        time.sleep(0.2)
-        total = _with_positions(stats_from_metrics_text(first, server.metrics_text()), num_speculative_tokens)
-        summed = sum(per_prompt, SpecDecodeStats(accepted_per_pos=[0] * num_speculative_tokens))
-        if (total.num_drafts, total.num_accepted_tokens) != (summed.num_drafts, summed.num_accepted_tokens):
-            warnings.warn(
-                f"spec-decode counters moved after the last response ({summed.num_drafts} -> {total.num_drafts} "
-                "drafts): per-prompt counters may be shifted; the total is right",
-                stacklevel=2,
-            )
-        return SpeculativeResult(outputs=outputs, stats=total, per_prompt=per_prompt)
+        k = num_speculative_tokens
+        server = self._server_for(drafter_path, k)
+        before = server.metrics_text()
+        t0 = time.perf_counter()
+        outputs = self._batch(prompt_ids, max_new_tokens, temperature, 1.0, seed)
+        decode_s = time.perf_counter() - t0
+        prev = server.metrics_text()
+        total = _with_positions(stats_from_metrics_text(before, prev), k)
+        plain = self._last_plain
+        baseline_s = plain[1] if plain and plain[0] == self._workload(prompt_ids, max_new_tokens, temperature) else None
+        each: list[SpecDecodeStats] | None = None
+        if per_prompt:
+            each = []
+            for i, p in enumerate(prompt_ids):
+                self._complete(p, max_new_tokens, temperature, 1.0, seed + i)
+                now = server.metrics_text()
+                each.append(_with_positions(stats_from_metrics_text(prev, now), k))
+                prev = now
+            time.sleep(0.2)
+            late = stats_from_metrics_text(prev, server.metrics_text())
+            if late.num_drafts:
+                warnings.warn(
+                    f"{late.num_drafts} spec-decode drafts were counted after the last response: per-prompt "
+                    "counters may be shifted",
+                    stacklevel=2,
+                )
+        return SpeculativeResult(outputs=outputs, stats=total, per_prompt=each, decode_seconds=decode_s,
+                                 baseline_seconds=baseline_s)
 
 
 def _with_positions(stats: SpecDecodeStats, k: int) -> SpecDecodeStats:
