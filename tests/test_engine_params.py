@@ -64,3 +64,20 @@ def test_reference_profile_gets_the_reference_engine(tiny_target) -> None:
 def test_vllm_engine_refuses_a_missing_target(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="config.json"):
         E.VllmEngine(tmp_path)
+
+
+def test_engine_processes_log_to_the_run_not_the_page(tmp_path, capfd) -> None:
+    """A process started while vLLM starts (as its engine core is) keeps writing to the log, not to our fds."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "logs" / "vllm-engine.log"
+    with E._stdio_to(log):
+        child = subprocess.Popen([sys.executable, "-c", "import sys, time; print('core out'); time.sleep(0.5); "
+                                  "print('core err later', file=sys.stderr)"])
+    print("back on the page")
+    child.wait(timeout=30)
+    out, err = capfd.readouterr()
+    text = log.read_text()
+    assert "core out" in text and "core err later" in text
+    assert "core" not in out + err and "back on the page" in out

@@ -6,6 +6,8 @@ same notebook runs on a laptop with :class:`ReferenceEngine` and on GPUs with a 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -191,6 +193,38 @@ class WorkerReport:
     aux_layers: list[int] | None
 
 
+@contextlib.contextmanager
+def _stdio_to(log_file: Path | None) -> Iterator[None]:
+    """Point file descriptors 1 and 2 at ``log_file`` while vLLM starts its engine core and workers.
+
+    Those processes inherit the descriptors at start and keep them for life, so their log lines (and those of
+    the libraries they load, e.g. FlashInfer's autotuner, torch's c10d warnings) go to the run's log instead
+    of the notebook page; this process gets its own descriptors back afterwards.
+    """
+    if log_file is None:
+        yield
+        return
+    import os
+    import sys
+
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
+
+
 def describe_loaded_model(model: Any) -> dict[str, Any]:
     """Run inside a vLLM worker (``LLM.apply_model``): a JSON-able :class:`WorkerReport` of ``model``."""
     import torch.distributed as dist
@@ -247,6 +281,7 @@ class VllmEngine:
         seed: int = 0,
         patch_env: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
+        log_dir: str | Path | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -269,6 +304,7 @@ class VllmEngine:
             **(extra or {}),
         )
         self.patch_env = dict(patch_env or {})
+        self.log_file = Path(log_dir) / "vllm-engine.log" if log_dir is not None else None
         self._llm: Any = None
         self._spec: dict[str, Any] | None = None
         self.start_seconds: list[float] = []
@@ -291,7 +327,8 @@ class VllmEngine:
         if speculative_config is not None:
             kw["speculative_config"] = dict(speculative_config)
         t0 = time.perf_counter()
-        self._llm = LLM(**kw)
+        with _stdio_to(self.log_file):
+            self._llm = LLM(**kw)
         self.start_seconds.append(time.perf_counter() - t0)
         self._spec = speculative_config
         return self._llm
@@ -534,6 +571,8 @@ def engine_from_params(params: Any, target_path: str | Path, log_dir: str | Path
         trust_remote_code=params.target.trust_remote_code, seed=params.seed,
         patch_env=plugin_env(params.patch.apply, params.patch.force, params.patch.legacy_simulation),
     )  # fmt: skip
+    if e.mode == "offline" and log_dir is not None:
+        kw["log_dir"] = log_dir
     if e.mode == "served":
         if log_dir is None:
             raise ValueError("engine.mode 'served' needs a log folder for the server's log (log_dir)")
