@@ -73,6 +73,19 @@ def test_sweep_extracts_once_trains_and_measures_each_choice(tmp_path):
         assert 1.0 <= st.mean_acceptance_length <= 3.0
         cfg = json.loads((tmp_path / "sweep" / f"drafter-{label[1:-1].replace(', ', '-')}" / "config.json").read_text())
         assert cfg["eagle_aux_hidden_state_layer_ids"] == json.loads(label)
+    # The exact greedy replay over all-layer continuations gives the engine's own decoder counters.
+    from eagle3lab.drafter import load_drafter
+    from eagle3lab.speculate import forward_cost_ratio, greedy_continuations, replay_drafter
+
+    dpath = tmp_path / "sweep" / "drafter-1-4"
+    conts = greedy_continuations(eng, heldout + [[9, 10]], 8 + 3, [1, 2, 3, 4], batch_size=2)
+    replayed = replay_drafter(load_drafter(dpath, "cpu"), conts, [1, 2, 3], 8, eng.eos_token_id)
+    for k in (1, 2, 3):
+        decoded = eng.speculative_generate(heldout + [[9, 10]], dpath, k, 8)
+        assert [t.stats for t in replayed[k]] == decoded.per_prompt
+        assert [t.output for t in replayed[k]] == decoded.outputs
+    d, t, ratio = forward_cost_ratio(eng.model, load_drafter(dpath, "cpu"), conts[0].sequence, repeats=3)
+    assert d > 0 and t > 0 and ratio == pytest.approx(d / t)
     # A drafter trained on selected columns equals one trained on a separate extraction of those ids.
     from eagle3lab.hidden_states import HiddenStateDataset, extract_hidden_states
 
