@@ -34,7 +34,7 @@ from typing import Any
 from eagle3lab import vllm_compat
 from eagle3lab.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 
-# 02_patch and scripts/gpu_vllm_eagle3.py import plugin_env from here; its home is eagle3lab.plugin.
+# plugin_env is re-exported here for older callers; its home is eagle3lab.plugin.
 from eagle3lab.plugin import plugin_env  # noqa: F401
 
 # What the matrices show: the family's causal LM, its DeepSeek-V3 subclass, and the Kimi-K2.5 wrapper.
