@@ -166,3 +166,15 @@ def test_records_round_trip_and_token_view(tmp_path):
     assert "&lt;&amp;&gt;" in html and "<&>" not in html.split("</div>", 2)[-1]  # token text is escaped
     assert html.count("draft 1: accepted") == 1 and html.count("draft 2: accepted") == 1
     assert "draft 3: rejected" in html and "draft 1: rejected" in html and "<script" not in html
+
+
+def test_records_for_labels_and_skips():
+    from eagle3lab.speculate import DecodeTrace, Round
+
+    tr = DecodeTrace(output=[5, 6], stats=_prompt([1], k=2), rounds=[Round(1, [6, 1], 1, [6])])
+    recs = A.records_for([tr, tr, tr], [[1], [2], [3]], split="heldout", drafter="main", aux_layer_ids=[3, 1],
+                         k=2, temperature=1.0, skip=[1])
+    assert [r["prompt_index"] for r in recs] == [0, 2] and recs[1]["prompt_ids"] == [3]
+    assert recs[0]["config"] == "heldout/main/k2/T1" and recs[0]["output_pieces"] == ["5", "6"]
+    abl = A.records_for([tr], [[1]], split="heldout", drafter="[1, 3]", aux_layer_ids=[3, 1], k=2, temperature=0.0)
+    assert abl[0]["config"] == "heldout/[1, 3]/k2/T0"

@@ -40,3 +40,17 @@ def test_final_state_is_the_target_and_the_tuned_lens_learns():
     assert len(fig.data) == 3
     with pytest.raises(ValueError, match="final state"):
         PR.states_and_labels(aux[:, : 2 * cfg.hidden_size], [1, 2], cfg.hidden_size, readout, cfg.num_hidden_layers)
+
+
+def test_sample_states_takes_response_tokens():
+    class DS:
+        def __len__(self):
+            return 3
+
+        def get(self, i, keys):
+            return {"loss_mask": torch.tensor([False, True, True]), "aux": torch.full((3, 2), float(i))}
+
+    rows = PR.sample_states(DS(), 5, seed=0)
+    assert rows.shape == (5, 2)
+    assert sorted(set(rows[:, 0].tolist())) != [] and len(rows) == 5
+    assert PR.sample_states(DS(), 100).shape == (6, 2)  # all response tokens of all sequences

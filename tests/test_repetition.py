@@ -31,3 +31,16 @@ def test_distinct_ngrams_and_summary():
     assert 0 < st.distinct_4gram < st.distinct_4gram_within <= 1 or st.distinct_4gram <= 1
     with pytest.raises(ValueError):
         R.repetition_stats([[]])
+
+
+def test_rounds_split_by_loops():
+    from eagle3lab.acceptance import SpecDecodeStats
+    from eagle3lab.speculate import DecodeTrace, Round
+
+    seq = [9, 8, 7] + [1, 2] * 6  # prompt of 3, then a loop of period 2
+    tr = DecodeTrace(output=seq[3:], stats=SpecDecodeStats(),
+                     rounds=[Round(1, [2, 1], 2, [2, 1, 2]), Round(4, [0, 0], 0, [1])])
+    inside, outside = R.split_rounds_by_loops([seq, [5, 6, 7, 8]], [3, 2],
+                                              [tr, DecodeTrace([7, 8], SpecDecodeStats(), [Round(1, [1, 1], 0, [8])])], 2)
+    assert inside.num_drafts == 2 and inside.num_accepted_tokens == 2
+    assert outside.num_drafts == 1 and outside.num_accepted_tokens == 0

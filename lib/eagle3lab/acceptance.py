@@ -540,3 +540,17 @@ def position_trend(iv: PromptIntervals) -> str:
         verdict = "fall with the position: later drafts, which run on the drafter's own hidden states, are worse"
     more = f" Position(s) {unreached} were never reached." if unreached else ""
     return text + f"The conditional rates ({shown}) {verdict}.{more}"
+
+
+def records_for(
+    traces: Sequence[Any], prompts: Sequence[Sequence[int]], *, split: str, drafter: str,
+    aux_layer_ids: Sequence[int], k: int, temperature: float, tokenizer: Any = None, skip: Iterable[int] = (),
+) -> list[dict[str, Any]]:
+    """One record per trace (prompt i = ``prompts[i]``), configuration ``split/drafter/k{k}/T{temperature}``;
+    prompt indices in ``skip`` are left out (already recorded by a decoded run)."""
+    skip = set(skip)
+    label = drafter if drafter == "main" else str(sorted(int(i) for i in aux_layer_ids))
+    config = f"{split}/{label}/k{k}/T{temperature:g}"
+    return [make_record(tr, config=config, split=split, drafter=drafter, aux_layer_ids=aux_layer_ids, k=k,
+                        temperature=temperature, prompt_index=i, prompt_ids=prompts[i], tokenizer=tokenizer)
+            for i, tr in enumerate(traces) if i not in skip]

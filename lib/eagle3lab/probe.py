@@ -181,3 +181,19 @@ def probe_figure(res: ProbeResult, aux_layer_ids: Sequence[int] = ()) -> go.Figu
         yaxis={"title": "fraction of tokens", "range": [0, 1.05]}, legend={"orientation": "h", "y": -0.25},
     )
     return fig
+
+
+def sample_states(dataset: Any, num_tokens: int, seed: int = 0) -> torch.Tensor:
+    """Up to ``num_tokens`` response-token rows of aux states from a hidden-state dataset (sequences in a
+    seeded random order, all response tokens of each): the probe's training set."""
+    g = torch.Generator().manual_seed(seed)
+    rows, n = [], 0
+    for i in torch.randperm(len(dataset), generator=g).tolist():
+        item = dataset.get(i, ("loss_mask", "aux"))
+        rows.append(item["aux"][item["loss_mask"]])
+        n += len(rows[-1])
+        if n >= num_tokens:
+            break
+    if not rows:
+        raise ValueError("sample_states: the dataset is empty")
+    return torch.cat(rows)[:num_tokens]

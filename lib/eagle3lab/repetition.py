@@ -86,3 +86,21 @@ def repetition_stats(seqs: Sequence[Sequence[int]], max_period: int = 32, min_ru
         loop_fraction=sum(sum(m) for m in masks) / tokens,
         longest_loop_median=float(np.median(longest)), longest_loop_max=max(longest),
     )
+
+
+def split_rounds_by_loops(
+    sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], traces: Sequence[Any], k: int
+) -> tuple[Any, Any]:
+    """(counters of the rounds whose first drafted token lies inside a loop, counters of the others).
+
+    ``traces``: one :class:`eagle3lab.speculate.DecodeTrace` per sequence (prompt + continuation).
+    """
+    from eagle3lab.acceptance import SpecDecodeStats
+
+    inside, outside = SpecDecodeStats(), SpecDecodeStats()
+    for seq, plen, tr in zip(sequences, prompt_lens, traces, strict=True):
+        mask = loop_mask(seq)
+        for r in tr.rounds:
+            pos = min(plen + r.start, len(mask) - 1)
+            (inside if mask[pos] else outside).record_round(k, r.accepted)
+    return inside, outside

@@ -176,6 +176,37 @@ def train_set(
     return drafter.eval(), result, path
 
 
+def run_ablation(
+    sets: Sequence[AblationSet], target_path: str | Path, all_layers: Any, out_dir: str | Path,
+    continuations: Sequence[Any], num_speculative_tokens: int, max_new_tokens: int, eos_token_id: int | None,
+    draft_vocab_size: int, drafter_kw: Mapping[str, Any] | None = None, train_kw: Mapping[str, Any] | None = None,
+    seed: int = 0,
+) -> list[tuple[AblationResult, list[Any]]]:
+    """Train a drafter per set (skipped sets: none) and replay it on the same greedy continuations.
+
+    Returns ``(result, traces)`` per trained set, in the order given; ``result.train_seconds`` includes the
+    replay.
+    """
+    import time
+
+    from eagle3lab.acceptance import SpecDecodeStats
+    from eagle3lab.speculate import replay_drafter
+
+    out = []
+    for s in sets:
+        if s.ids is None:
+            continue
+        t0 = time.perf_counter()
+        d, result, path = train_set(target_path, all_layers, s.ids, out_dir, draft_vocab_size, num_speculative_tokens,
+                                    drafter_kw, train_kw, seed)
+        traces = replay_drafter(d, continuations, [num_speculative_tokens], max_new_tokens, eos_token_id)[
+            num_speculative_tokens]
+        per = [t.stats for t in traces]
+        out.append((AblationResult(s.name, list(s.ids), path, sum(per, SpecDecodeStats()), per,
+                                   time.perf_counter() - t0, list(result.final_accuracy)), traces))
+    return out
+
+
 def sweep_aux_layers(
     engine: Any,
     samples_path: str | Path,
