@@ -471,7 +471,7 @@ def forward_cost_ratio(
 
     Both are timed as one decode step after ``sequence`` (the target with its KV cache, the drafter with its
     first-pass cache, as in ``propose``): the cost of one draft against one target forward. Wall time on
-    this machine; it says nothing about a GPU, where both are launch-bound at these sizes.
+    this machine (CUDA synchronised); small models on a GPU are launch-bound, so the ratio is machine-specific.
     """
     import copy
     import statistics
@@ -494,15 +494,23 @@ def forward_cost_ratio(
                                   torch.arange(n, device=ddev)[None], [])
     first = torch.ones(1, 1, n, dtype=torch.bool, device=ddev)
     tok = torch.tensor([[seq[-1]]], device=ddev)
+    def sync() -> None:  # CUDA kernels run asynchronously: wait for them before reading the clock
+        for d in {dev, ddev}:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+
     t_target, t_draft = [], []
     for _ in range(repeats):
         past = {cache_kw: copy.deepcopy(cache)}  # a decode step appends to the cache: time a fresh copy
+        sync()
         t0 = time.perf_counter()
         model(input_ids=ids[:, -1:], use_cache=True, **past)
+        sync()
         t_target.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         normed, _, _ = drafter.step(tok, prenorm[:, -1:], torch.tensor([[n]], device=ddev), [kv], first)
         drafter.logits(normed).argmax(-1)
+        sync()
         t_draft.append(time.perf_counter() - t0)
     d, t = statistics.median(t_draft), statistics.median(t_target)
     return d, t, d / t
