@@ -261,3 +261,18 @@ def test_greedy_draft_sampling_at_temperature_uses_one_hot_q():
     assert len(s.output) == 8
     with pytest.raises(ValueError, match="draft_sampling"):
         speculative_decode(model, drafter, [1, 2, 3], 3, 8, None, temperature=1.0, draft_sampling="beam")
+
+
+def test_mla_expand_memo_keeps_generation_identical():
+    from eagle3lab.speculate import mla_expand_memo
+
+    model, cfg = tiny_target(5)
+    prompts = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        ref = model.generate(input_ids=prompts, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        with mla_expand_memo(model):
+            assert sum("expand_kv" in vars(m) for m in model.modules()) == cfg.num_hidden_layers  # patched
+            got = model.generate(input_ids=prompts, max_new_tokens=12, do_sample=False, pad_token_id=0)
+            again = model.generate(input_ids=prompts[:1], max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(ref, got) and torch.equal(ref[:1], again)  # a new call (other batch) starts afresh
+    assert all("expand_kv" not in vars(m) for m in model.modules())  # the class method is back
