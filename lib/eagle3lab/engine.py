@@ -122,8 +122,11 @@ class ReferenceEngine:
         kwargs: dict[str, Any] = {"do_sample": False}
         if temperature > 0:
             kwargs = {"do_sample": True, "temperature": float(temperature), "top_p": float(top_p), "top_k": 0}
+        from eagle3lab.speculate import mla_expand_memo
+
         torch.manual_seed(seed)  # sampling draws from the global generator
-        with torch.no_grad():
+        # transformers re-expands the whole MLA cache at every step (quadratic in the context with kv_lora 512)
+        with torch.no_grad(), mla_expand_memo(self.model):
             out = self.model.generate(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
