@@ -276,3 +276,24 @@ def test_mla_expand_memo_keeps_generation_identical():
             again = model.generate(input_ids=prompts[:1], max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(ref, got) and torch.equal(ref[:1], again)  # a new call (other batch) starts afresh
     assert all("expand_kv" not in vars(m) for m in model.modules())  # the class method is back
+
+
+def test_mla_expand_memo_blocks_nest():
+    """The reference engine memoises its own generate calls; a caller's block around them must survive."""
+    from eagle3lab import target as T
+    from eagle3lab.speculate import mla_expand_memo
+
+    model = T.build_model(T.make_config(T.tiny_spec(), _Tok()), seed=0)
+    mods = [m for m in model.modules() if hasattr(m, "kv_b_proj")]
+    with mla_expand_memo(model):
+        with mla_expand_memo(model):
+            pass
+        assert mods and all("expand_kv" in m.__dict__ for m in mods)
+    assert not any("expand_kv" in m.__dict__ for m in mods)
+
+
+class _Tok:
+    bos_token_id, eos_token_id, pad_token_id = 0, 1, 2
+
+    def __len__(self) -> int:
+        return 300

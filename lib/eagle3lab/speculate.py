@@ -447,13 +447,19 @@ def mla_expand_memo(model: nn.Module) -> Iterator[None]:
 
         return expand_kv
 
+    # An instance attribute shadows the class method; restore exactly what was there, so that blocks nest
+    # (the reference engine memoises its own generate calls, and callers may wrap them again).
+    saved = [m.__dict__.get("expand_kv") for m in mods]
     for m in mods:
-        m.expand_kv = memoised(m.expand_kv)  # an instance attribute shadows the class method
+        m.expand_kv = memoised(m.expand_kv)
     try:
         yield
     finally:
-        for m in mods:
-            del m.expand_kv
+        for m, prev in zip(mods, saved, strict=True):
+            if prev is None:
+                del m.expand_kv
+            else:
+                m.expand_kv = prev
 
 
 def greedy_continuations(
