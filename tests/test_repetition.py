@@ -44,3 +44,18 @@ def test_rounds_split_by_loops():
                                               [tr, DecodeTrace([7, 8], SpecDecodeStats(), [Round(1, [1, 1], 0, [8])])], 2)
     assert inside.num_drafts == 2 and inside.num_accepted_tokens == 2
     assert outside.num_drafts == 1 and outside.num_accepted_tokens == 0
+
+
+def test_degeneracy_reasons_name_each_sign() -> None:
+    from eagle3lab.repetition import degeneracy_reasons
+
+    # the default run of 2026-11-29: the drafter (2.23) beats prompt lookup (1.95) but 54% of tokens are loops
+    assert degeneracy_reasons(2.23, 1.95, 0.54) == [
+        "a prompt-lookup drafter with no model reaches τ = 1.95 against the drafter's 2.23",
+        "54% of the evaluated tokens lie inside loops",
+    ]
+    # copying explains less than half the gain and the text is mostly not loops: nothing to flag
+    assert degeneracy_reasons(3.0, 1.9, 0.2) == []
+    # loops alone are enough, and copying alone is enough
+    assert len(degeneracy_reasons(3.0, 1.9, 0.5)) == 1
+    assert len(degeneracy_reasons(3.0, 2.0, 0.1)) == 1

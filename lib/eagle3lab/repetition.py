@@ -104,3 +104,17 @@ def split_rounds_by_loops(
             pos = min(plen + r.start, len(mask) - 1)
             (inside if mask[pos] else outside).record_round(k, r.accepted)
     return inside, outside
+
+
+def degeneracy_reasons(tau: float, ngram_tau: float, loop_fraction: float) -> list[str]:
+    """Why a mean acceptance length says more about repetition than about the drafter (empty: it does not).
+
+    Two signs, either enough: a prompt-lookup drafter with no model gets at least half of the EAGLE-3 drafter's
+    gain over 1 (copying explains much of the acceptance), or at least half the evaluated tokens lie in loops.
+    """
+    reasons = []
+    if ngram_tau - 1 >= 0.5 * (tau - 1):
+        reasons.append(f"a prompt-lookup drafter with no model reaches τ = {ngram_tau:.2f} against the drafter's {tau:.2f}")
+    if loop_fraction >= 0.5:
+        reasons.append(f"{loop_fraction:.0%} of the evaluated tokens lie inside loops")
+    return reasons
