@@ -137,6 +137,7 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None, timeout: float = 500) -> dict:
+    from eagle3lab.engine import refusal_in_log
     from eagle3lab.plugin import plugin_env
 
     env = {k: v for k, v in os.environ.items() if k != "EAGLE3LAB_PATCH"}
@@ -156,8 +157,7 @@ def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None,
     r = json.loads(js.read_text()) if rc == 0 and js.is_file() else {"name": name}
     r["exit_code"] = rc
     r["wall_s"] = time.perf_counter() - t0
-    lines = [ln.strip() for ln in text.splitlines() if "does not support EAGLE3 interface" in ln]
-    r["refusal"] = lines[-1][lines[-1].find("Model does not"):] if lines else None
+    r["refusal"] = refusal_in_log(text)
     if rc != 0:
         r["log_tail"] = text[-3000:]
     print(f"{name}: exit {rc} in {r['wall_s']:.0f} s", flush=True)

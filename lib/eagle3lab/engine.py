@@ -180,7 +180,20 @@ class ReferenceEngine:
 # vLLM
 
 
-REFUSAL = "does not support EAGLE3 interface"  # the model runner's words, in every vLLM 0.14-0.26
+def refusal_in_log(text: str) -> str | None:
+    """The EAGLE-3 refusal in a vLLM log, from the error's own words on (the last such line), or None."""
+    from eagle3lab.vllm_compat import REFUSAL_STEM
+
+    lines = [ln.strip() for ln in text.splitlines() if REFUSAL_STEM in ln]
+    if not lines:
+        return None
+    start = lines[-1].find("Model does not")
+    return lines[-1][start:] if start >= 0 else lines[-1]
+
+
+def workload_key(prompt_ids: list[list[int]], max_new_tokens: int, temperature: float) -> int:
+    """Identifies a workload, so that a speculative run can be paired with the plain run of the same one."""
+    return hash((tuple(map(tuple, prompt_ids)), max_new_tokens, temperature))
 
 
 @dataclass
@@ -389,12 +402,8 @@ class VllmEngine:
         t0 = time.perf_counter()
         out = self._run(llm, prompt_ids, self._sampling(max_new_tokens, temperature, top_p, seed))
         # kept so that a speculative run of the same workload can report a measured speedup
-        self._last_plain = (self._workload(prompt_ids, max_new_tokens, temperature), time.perf_counter() - t0)
+        self._last_plain = (workload_key(prompt_ids, max_new_tokens, temperature), time.perf_counter() - t0)
         return out
-
-    @staticmethod
-    def _workload(prompt_ids: list[list[int]], max_new_tokens: int, temperature: float) -> int:
-        return hash((tuple(map(tuple, prompt_ids)), max_new_tokens, temperature))
 
     def speculative_generate(
         self,
@@ -427,7 +436,7 @@ class VllmEngine:
         decode_s = time.perf_counter() - t0
         stats = stats_from_vllm_metrics(before, llm.get_metrics())
         plain = getattr(self, "_last_plain", None)
-        baseline_s = plain[1] if plain and plain[0] == self._workload(prompt_ids, max_new_tokens, temperature) else None
+        baseline_s = plain[1] if plain and plain[0] == workload_key(prompt_ids, max_new_tokens, temperature) else None
         each = None
         if per_prompt:
             each = []
@@ -503,13 +512,11 @@ def probe_launch(
             ).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
             rc = 124
-    text = log_file.read_text(errors="replace")
-    lines = [ln.strip() for ln in text.splitlines() if REFUSAL in ln]
+    message = refusal_in_log(log_file.read_text(errors="replace"))
     res = json.loads(result_file.read_text()) if result_file.is_file() else {}
     patch = json.loads(patch_env.get("EAGLE3LAB_PATCH", "{}") or "{}")
     return LaunchProbe(
-        patch=patch, refused=bool(lines) and rc != 0, exit_code=rc,
-        message=lines[-1][lines[-1].find("Model does not"):] if lines else None,
+        patch=patch, refused=message is not None and rc != 0, exit_code=rc, message=message,
         workers=[WorkerReport(**w) for w in res.get("workers", [])], outputs=res.get("outputs"),
         seconds=time.perf_counter() - t0, log_file=str(log_file),
     )  # fmt: skip

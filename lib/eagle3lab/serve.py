@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lab.acceptance import METRIC_PREFIX, SpecDecodeStats, stats_from_vllm_metrics
-from eagle3lab.engine import SpeculativeResult, _check_prompts, cut_at_eos
+from eagle3lab.engine import SpeculativeResult, _check_prompts, cut_at_eos, workload_key
 
 HOST = "127.0.0.1"
 # The per-position counter is one Prometheus counter with a "position" label
@@ -606,10 +606,6 @@ class VllmServedEngine:
             ]
             return [f.result() for f in futures]
 
-    @staticmethod
-    def _workload(prompt_ids: list[list[int]], max_new_tokens: int, temperature: float) -> int:
-        return hash((tuple(map(tuple, prompt_ids)), max_new_tokens, temperature))
-
     def generate(
         self,
         prompt_ids: list[list[int]],
@@ -625,7 +621,7 @@ class VllmServedEngine:
         self._server_for(None)
         t0 = time.perf_counter()  # server start-up excluded, as in the offline engine
         out = self._batch(prompt_ids, max_new_tokens, temperature, top_p, seed)
-        self._last_plain = (self._workload(prompt_ids, max_new_tokens, temperature), time.perf_counter() - t0)
+        self._last_plain = (workload_key(prompt_ids, max_new_tokens, temperature), time.perf_counter() - t0)
         return out
 
     def spec_decode_stats(self) -> SpecDecodeStats:
@@ -665,7 +661,7 @@ class VllmServedEngine:
         prev = server.metrics_text()
         total = _with_positions(stats_from_metrics_text(before, prev), k)
         plain = self._last_plain
-        baseline_s = plain[1] if plain and plain[0] == self._workload(prompt_ids, max_new_tokens, temperature) else None
+        baseline_s = plain[1] if plain and plain[0] == workload_key(prompt_ids, max_new_tokens, temperature) else None
         each: list[SpecDecodeStats] | None = None
         if per_prompt:
             each = []
