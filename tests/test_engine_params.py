@@ -85,8 +85,10 @@ def test_engine_processes_log_to_the_run_not_the_page(tmp_path, capfd) -> None:
 
 def test_refusal_read_from_the_h200_engine_core_log() -> None:
     """The legacy launch's log from the H200 (committed evidence) carries vLLM's exact refusal; a served one none."""
+    from pathlib import Path
+
     from eagle3lab.vllm_compat import REFUSAL_MESSAGE
 
-    logs = "benchmarks/gpu/20261129-h200/proofs"
-    assert E.refusal_in_log(open(f"{logs}/legacy.log").read()) == REFUSAL_MESSAGE
-    assert E.refusal_in_log(open(f"{logs}/patched-eager.log").read()) is None
+    logs = Path("benchmarks/gpu/20261129-h200/proofs")
+    assert E.refusal_in_log((logs / "legacy.log").read_text()) == REFUSAL_MESSAGE
+    assert E.refusal_in_log((logs / "patched-eager.log").read_text()) is None

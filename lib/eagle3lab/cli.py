@@ -111,15 +111,8 @@ def _servable_lines(p: Any) -> list[str]:
         return []
     try:
         from eagle3lab.drafter import default_drafter_heads
-        from eagle3lab.servable import _text_config, read_config
 
-        if p.target.source == "checkpoint":
-            cfg = _text_config(read_config(p.target.path)[0])
-        else:
-            cfg = {"hidden_size": p.target.embedded.hidden_size, "num_attention_heads": p.target.embedded.num_attention_heads}
-        width = p.drafter.hidden_size or int(cfg["hidden_size"])
-        heads = p.drafter.num_attention_heads or default_drafter_heads(width, cfg.get("num_attention_heads"))
-        found = servable.check_profile(p, heads)
+        found = servable.check_profile(p, default_drafter_heads)
     except Exception as exc:  # noqa: BLE001 - checking is advice: never block validation on it
         return [f"# servability not checked on this vLLM: {type(exc).__name__}: {exc}"]
     where = "" if p.engine.kind == "vllm" else " (this profile's engine is the reference engine)"

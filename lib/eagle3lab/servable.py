@@ -10,8 +10,8 @@ Three refusals were seen on an H200 with vLLM 0.26 (2026-11-29), each only after
 The rules are read from the installed vLLM, never copied: the MLA prefill backends' own
 ``supports_mla_dimensions`` / ``supports_compute_capability`` where they import, else the ``MLADimensions``
 literals in their source; the router condition from ``deepseek_v2.py``'s source; the head sizes from
-FlashAttention's ``supports_head_size``, executed from its source when the module cannot be imported (on a
-CPU machine), with the optional FA4 path taken as absent (its kernels are not in a plain install).
+FlashAttention's ``supports_head_size``, executed from its source with and without FA4's optional CuTe path
+(its kernels are not in a plain install).
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
-import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from eagle3lab import vllm_compat
+from eagle3lab.diagnose.target_info import read_json_config, text_config_of
 
 HOPPER = (9, 0)
 
@@ -42,22 +43,12 @@ class Finding:
         return asdict(self)
 
 
-def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    for key in ("text_config", "language_config"):
-        inner = cfg.get(key)
-        if isinstance(inner, dict) and "hidden_size" in inner:
-            return inner
-    return cfg
-
-
 def read_config(path_or_config: str | Path | dict[str, Any]) -> tuple[dict[str, Any], Path | None]:
     """A target config as a dict (from a dict, a config.json or a checkpoint folder) and its folder."""
     if isinstance(path_or_config, dict):
         return path_or_config, None
-    p = Path(path_or_config)
-    folder = p if p.is_dir() else p.parent
-    f = p / "config.json" if p.is_dir() else p
-    return json.loads(f.read_text()), folder if (folder / "config.json").is_file() else None
+    cfg, file = read_json_config(path_or_config)
+    return cfg, file.parent
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -113,7 +104,7 @@ def mla_prefill_backends(dims: tuple[int, int, int], capability: tuple[int, int]
 
 def check_mla(cfg: dict[str, Any], capability: tuple[int, int] = HOPPER) -> Finding | None:
     """An error when no MLA prefill backend of the installed vLLM takes the target's head dims."""
-    c = _text_config(cfg)
+    c = text_config_of(cfg)
     if "kv_lora_rank" not in c or "qk_rope_head_dim" not in c:
         return None  # not an MLA model
     dims = (int(c.get("qk_nope_head_dim", 0)), int(c["qk_rope_head_dim"]), int(c.get("v_head_dim", 0)))
@@ -154,7 +145,7 @@ def _has_weight_suffix(folder: Path, suffix: str) -> bool | None:
 
 def check_router(cfg: dict[str, Any], folder: Path | None = None) -> Finding | None:
     """An error when the checkpoint carries a router bias that the installed vLLM will not create."""
-    c = _text_config(cfg)
+    c = text_config_of(cfg)
     if not c.get("n_routed_experts"):
         return None
     src = vllm_compat.read_source("model_executor/models/deepseek_v2.py") or ""
@@ -233,19 +224,28 @@ def check_drafter_config(drafter_cfg: dict[str, Any]) -> list[Finding]:
     return [check_drafter_heads(hd)]
 
 
-def check_profile(params: Any, drafter_heads: int, capability: tuple[int, int] = HOPPER) -> list[Finding]:
-    """Findings for a validated profile whose engine is vLLM: its target (built or on disk) and its drafter
-    (``drafter_heads``: the head count the drafter will get, e.g. from ``drafter.default_drafter_heads``)."""
+def profile_target_config(params: Any) -> dict[str, Any]:
+    """The text config of a profile's target: the checkpoint's, or the fields 00 will give the embedded one."""
     if params.target.source == "checkpoint":
-        findings = check_target(Path(params.target.path), capability)
-        cfg, _ = read_config(Path(params.target.path))
-    else:
-        e = params.target.embedded
-        cfg = {"model_type": "deepseek_v3", "kv_lora_rank": e.kv_lora_rank, "qk_rope_head_dim": e.qk_rope_head_dim,
-               "qk_nope_head_dim": e.qk_nope_head_dim, "v_head_dim": e.v_head_dim,
-               "n_routed_experts": e.n_routed_experts, "topk_method": "noaux_tc", "hidden_size": e.hidden_size}
-        findings = check_target(cfg, capability)
-    width = params.drafter.hidden_size or int(_text_config(cfg)["hidden_size"])
-    findings.append(check_drafter_heads(width // drafter_heads))
-    return findings
+        return text_config_of(read_json_config(params.target.path)[0])
+    e = params.target.embedded
+    return {"model_type": "deepseek_v3", "kv_lora_rank": e.kv_lora_rank, "qk_rope_head_dim": e.qk_rope_head_dim,
+            "qk_nope_head_dim": e.qk_nope_head_dim, "v_head_dim": e.v_head_dim,
+            "n_routed_experts": e.n_routed_experts, "topk_method": "noaux_tc", "hidden_size": e.hidden_size,
+            "num_attention_heads": e.num_attention_heads}
 
+
+def check_profile(
+    params: Any, drafter_heads: Callable[[int, int | None], int], capability: tuple[int, int] = HOPPER
+) -> list[Finding]:
+    """Findings for a validated profile: its target (built or on disk) and its drafter's head_dim.
+
+    ``drafter_heads(width, target_heads)`` is the drafter's head rule (``drafter.default_drafter_heads``),
+    used where the profile states no head count; passed in because the drafter sits a layer above this module.
+    """
+    cfg = profile_target_config(params)
+    findings = check_target(Path(params.target.path) if params.target.source == "checkpoint" else cfg, capability)
+    width = params.drafter.hidden_size or int(cfg["hidden_size"])
+    heads = params.drafter.num_attention_heads or drafter_heads(width, cfg.get("num_attention_heads"))
+    findings.append(check_drafter_heads(width // heads))
+    return findings
