@@ -21,6 +21,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -322,6 +323,20 @@ def _vllm_cpu_python() -> Path | None:
     return p if p.is_file() else None
 
 
+def _random_mla_target(path: Path, hidden_size: int) -> tuple[Any, Any]:
+    """A random 4-layer target with the MLA dims vLLM's CPU backend takes (kv_lora_rank + rope = 576) and the
+    router keys its loader needs; saved to ``path``. Returns (config, tokenizer)."""
+    from eagle3lab import target as T
+
+    spec = T.tiny_spec(vocab_size=320, hidden_size=hidden_size, num_hidden_layers=4, num_attention_heads=2,
+                       q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=128,
+                       corpus_max_bytes=20_000)  # fmt: skip
+    tok = T.train_tokenizer(T.build_corpus(spec.corpus_max_bytes, spec.heldout_fraction), spec.vocab_size)
+    cfg = T.make_config(spec, tok)
+    T.save_target(T.build_model(cfg, seed=0), tok, path)
+    return cfg, tok
+
+
 def _random_mla_drafter(target: Path, out: Path, aux: list[int], draft_vocab: int) -> None:
     """A random EAGLE-3 drafter in vLLM's MLA form (Eagle3DeepseekV2ForCausalLM, whose attention shares the
     target's MLA backend on the CPU). model_type deepseek_v2 on purpose: vLLM rewrites a deepseek_v3 draft
@@ -365,14 +380,7 @@ def test_real_vllm_cpu_server(tmp_path):
     py = _vllm_cpu_python()
     if py is None:
         pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
-    from eagle3lab import target as T
-
-    spec = T.tiny_spec(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, q_lora_rank=32,
-                       kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=128,
-                       corpus_max_bytes=20_000)  # fmt: skip
-    tok = T.train_tokenizer(T.build_corpus(spec.corpus_max_bytes, spec.heldout_fraction), spec.vocab_size)
-    cfg = T.make_config(spec, tok)
-    T.save_target(T.build_model(cfg, seed=0), tok, tmp_path / "target")
+    cfg, tok = _random_mla_target(tmp_path / "target", hidden_size=64)
     _random_mla_drafter(tmp_path / "target", tmp_path / "drafter", [2, 3, 4], 128)
     prompts = [tok.encode("def main():")[:8], tok.encode("import os")[:8]]
     k, n = 3, 12
@@ -407,15 +415,10 @@ def test_real_vllm_cpu_server_with_our_drafter(tmp_path):
     py = _vllm_cpu_python()
     if py is None:
         pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
-    from eagle3lab import target as T
     from eagle3lab.engine import random_probe_drafter
     from eagle3lab.plugin import CPU_BLOCK16_ENV
 
-    spec = T.tiny_spec(vocab_size=320, hidden_size=128, num_hidden_layers=4, num_attention_heads=2, q_lora_rank=32,
-                       kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=128,
-                       corpus_max_bytes=20_000)  # fmt: skip
-    tok = T.train_tokenizer(T.build_corpus(spec.corpus_max_bytes, spec.heldout_fraction), spec.vocab_size)
-    T.save_target(T.build_model(T.make_config(spec, tok), seed=0), tok, tmp_path / "target")
+    _, tok = _random_mla_target(tmp_path / "target", hidden_size=128)
     drafter = random_probe_drafter(tmp_path / "target", [2, 3, 4], tmp_path / "drafter", draft_vocab_size=128)
     layer = json.loads((drafter / "config.json").read_text())["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["head_dim"] == 64  # our format, not vLLM's MLA drafter
