@@ -106,3 +106,35 @@ def test_select_notebooks_by_number_or_name(tmp_path):
     assert runner.select_notebooks(avail, ["02", "01_diagnose"]) == avail[1:]
     with pytest.raises(params.ParamsError):
         runner.select_notebooks(avail, ["9"])
+
+
+def test_resume_reruns_only_what_did_not_finish(workbook, tmp_path, capsys):
+    flag = tmp_path / "second-may-pass"
+    counter = tmp_path / "first-runs"
+    _nb(workbook / "notebooks" / "01_first.ipynb",
+        f"import pathlib\np = pathlib.Path({str(counter)!r})\np.write_text(str(int(p.read_text() or 0) + 1) "
+        f"if p.exists() else '1')\nwb.record('first.seed', wb.params.seed)")
+    _nb(workbook / "notebooks" / "02_second.ipynb",
+        f"import pathlib\nassert pathlib.Path({str(flag)!r}).exists(), 'stopped here'\nwb.record('second.value', 2)")
+    _nb(workbook / "notebooks" / "03_third.ipynb", "wb.record('third.value', 3)")
+    first = runner.run(overrides=["seed=5"], progress=False)
+    assert [s.status for s in first.steps] == ["ok", "failed", "skipped"]
+
+    flag.touch()
+    # a resumed run keeps its own params: new ones are refused before anything runs
+    assert cli.main(["run", "--resume", str(first.run_dir), "-p", "seed=6"]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert cli.main(["run", "--resume", str(first.run_dir), "--no-progress"]) == 0
+    m = json.loads((first.run_dir / "metrics.json").read_text())
+    assert [s["status"] for s in m["steps"]] == ["ok", "ok", "ok"]
+    assert counter.read_text() == "1"  # 01 ended ok the first time: not executed again
+    assert m["metrics"]["01_first"]["first.seed"] == 5 and m["metrics"]["03_third"]["third.value"] == 3
+    assert [r["rerun"] for r in m["run"]["resumed"]] == [["02_second", "03_third"]]
+    assert "finished" in m["run"] and (first.run_dir / "03_third.html").is_file()
+    assert "(resumed)" in (first.run_dir / "run.log").read_text()
+    assert "03_third.html" in (first.run_dir / "index.html").read_text()
+
+
+def test_resume_refuses_a_folder_that_is_not_a_run(workbook, tmp_path, capsys):
+    assert cli.main(["run", "--resume", str(tmp_path)]) == 2
+    assert "nothing to resume" in capsys.readouterr().err

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--only", metavar="01,02", help="comma-separated notebooks (numbers or names)")
     r.add_argument("--outputs", metavar="DIR", help="parent folder of run folders (default: outputs/)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    r.add_argument("--resume", metavar="RUN", help="continue this run folder: steps that ended ok are kept, the "
+                   "others run again with the folder's own params.yaml (no --params, -p or --only)")
 
     v = sub.add_parser("validate", help="validate a parameter file and print the resolved parameters")
     v.add_argument("file")
@@ -82,7 +84,12 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 def _cmd_run(a: argparse.Namespace) -> int:
     from eagle3lab import runner
 
-    result = runner.run(a.params, _only(a.only), a.overrides, a.outputs, progress=not a.no_progress)
+    if a.resume:
+        if a.params or a.overrides or a.only or a.outputs:
+            raise InputError([("--resume", "a resumed run keeps its own params.yaml: drop --params, -p, --only and --outputs")])
+        result = runner.resume(a.resume, progress=not a.no_progress)
+    else:
+        result = runner.run(a.params, _only(a.only), a.overrides, a.outputs, progress=not a.no_progress)
     for s in result.steps:
         extra = f"  {s.error}" if s.error else ""
         print(f"{s.name:<20} {s.status:<8} {s.seconds:7.1f} s{extra}")

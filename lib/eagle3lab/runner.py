@@ -170,9 +170,6 @@ def run(
     Raises :class:`eagle3lab.params.ParamsError` before anything is written when the params or the
     selection are bad.
     """
-    import papermill as pm
-    from tqdm.auto import tqdm
-
     root = repo_root()
     pfile = Path(params_file) if params_file else root / "params" / "embedded.yaml"
     p = params_mod.load(pfile, overrides)
@@ -193,7 +190,57 @@ def run(
         "python": sys.executable,
     }
     result = RunResult(run_dir, [StepResult(nb.stem) for nb in steps])
+    return _execute(root, p, injected, steps, result, info, progress)
 
+
+def resume(run_dir: str | Path, progress: bool = True) -> RunResult:
+    """Continue a run folder whose run stopped (a failed step, a killed process, a time limit).
+
+    The folder's own ``params.yaml`` is the run's parameters (a resumed run cannot change them); the steps
+    that ended ``ok`` in its ``metrics.json`` are kept as they are, and every other step is executed again,
+    in order, into the same folder. The notebooks' artifacts are resumable, so work that finished before the
+    stop (a trained target, generated samples) is not redone. ``info["resumed"]`` records when and where.
+    """
+    root = repo_root()
+    run_dir = Path(run_dir)
+    summary_file, pfile = run_dir / "metrics.json", run_dir / "params.yaml"
+    for f in (summary_file, pfile):
+        if not f.is_file():
+            raise params_mod.ParamsError(str(run_dir), f.name, "not a run folder (no such file): nothing to resume")
+    summary = json.loads(summary_file.read_text())
+    p = params_mod.load(pfile)
+    injected = params_mod.to_jsonable(p)
+    by_name = {nb.stem: nb for nb in discover_notebooks(root)}
+    previous = [StepResult(**s) for s in summary.get("steps", [])]
+    missing = [s.name for s in previous if s.name not in by_name]
+    if missing:
+        raise params_mod.ParamsError(str(summary_file), "steps", f"notebooks no longer in the workbook: {missing}")
+    info = dict(summary.get("run", {}))
+    info.pop("finished", None)
+    info["resumed"] = [*info.get("resumed", []), {
+        "at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+        "rerun": [s.name for s in previous if s.status != "ok"]}]
+    for s in previous:
+        if s.status != "ok":
+            s.status, s.error, s.seconds = "pending", "", 0.0
+    result = RunResult(run_dir, previous)
+    return _execute(root, p, injected, [by_name[s.name] for s in previous], result, info, progress)
+
+
+def _execute(
+    root: Path,
+    p: params_mod.Params,
+    injected: dict[str, Any],
+    steps: list[Path],
+    result: RunResult,
+    info: dict[str, Any],
+    progress: bool,
+) -> RunResult:
+    """Execute every step of ``result`` that is not already ``ok``, writing the run folder as it goes."""
+    import papermill as pm
+    from tqdm.auto import tqdm
+
+    run_dir = result.run_dir
     handler = logging.FileHandler(run_dir / "run.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     # Our own lines at INFO; papermill's only when something goes wrong (its INFO lines repeat ours).
@@ -202,7 +249,10 @@ def run(
     for lg, level in watched.items():
         lg.addHandler(handler)
         lg.setLevel(level)
-    log.info("run %s: profile %s, notebooks %s", run_dir, p.profile, ", ".join(s.name for s in result.steps))
+    todo = [s.name for s in result.steps if s.status != "ok"]
+    log.info("run %s: profile %s, notebooks %s%s", run_dir, p.profile, ", ".join(todo),
+             " (resumed)" if info.get("resumed") else "")
+    _write_summary(result, p, info)  # a run killed in its first step can still be resumed
     old_env = dict(os.environ)
     try:
         with tempfile.TemporaryDirectory(prefix="eagle3lab-kernel-") as tmp:
@@ -210,8 +260,10 @@ def run(
             os.environ["EAGLE3LAB_ROOT"] = str(root)
             os.environ.update(BATCH_KERNEL_ENV)
             failed = False
-            bar = tqdm(list(zip(steps, result.steps, strict=False)), desc="workbook", unit="notebook", disable=not progress)
+            bar = tqdm(list(zip(steps, result.steps, strict=True)), desc="workbook", unit="notebook", disable=not progress)
             for nb, step in bar:
+                if step.status == "ok":
+                    continue
                 if failed:
                     step.status = "skipped"
                     log.info("%s: skipped (an earlier step failed)", step.name)
