@@ -121,3 +121,29 @@ def test_vllm_accepts_saved_config(saved):
     assert cfg.kv_lora_rank == json.loads((path / "config.json").read_text())["kv_lora_rank"]
     cls = ModelRegistry._try_load_model_cls("DeepseekV3ForCausalLM")
     assert cls is not None and cls.__name__ == "DeepseekV3ForCausalLM"
+
+
+def test_deepened_target_computes_the_same_tokens_and_aux_states(tmp_path):
+    import json
+
+    from eagle3lab import target as T
+    from eagle3lab.hidden_states import target_forward_with_aux
+
+    T.build_embedded_target(T.tiny_spec(train_steps=3), tmp_path / "orig", seed=0)
+    T.deepen_target(tmp_path / "orig", tmp_path / "deep", num_layers=7)
+    assert json.loads((tmp_path / "deep" / "config.json").read_text())["num_hidden_layers"] == 7
+    orig, _ = T.load_target(tmp_path / "orig")
+    deep, _ = T.load_target(tmp_path / "deep")
+    assert len(deep.model.layers) == 7
+    # the added layers are real layers (same shapes as the last one), not empty shells
+    assert T.count_parameters(deep) > T.count_parameters(orig) + 2 * sum(p.numel() for p in orig.model.layers[-1].parameters())
+    ids = torch.randint(0, orig.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    a = target_forward_with_aux(orig, ids, [1, 2, 4])
+    b = target_forward_with_aux(deep, ids, [1, 2, 4])
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.aux, b.aux)
+    with torch.no_grad():  # greedy decoding with the KV cache goes through the added layers' cache slots too
+        ga = orig.generate(ids[:1], max_new_tokens=8, do_sample=False)
+        gb = deep.generate(ids[:1], max_new_tokens=8, do_sample=False)
+    assert torch.equal(ga, gb)
+    with pytest.raises(ValueError, match="deepen only adds"):
+        T.deepen_target(tmp_path / "orig", tmp_path / "x", num_layers=2)

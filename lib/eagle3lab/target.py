@@ -483,3 +483,46 @@ def build_embedded_target(
     if path is not None:
         save_target(model, tokenizer, path)
     return model, tokenizer, result, corpus
+
+
+# Output projections of a decoder layer: the only weights through which a layer writes to the residual stream.
+_OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
+
+
+def deepen_target(src: str | Path, dst: str | Path, num_layers: int) -> Path:
+    """Save a copy of the target at ``src`` with ``num_layers`` decoder layers into ``dst``.
+
+    The added layers are copies of the last layer whose output projections (attention ``o_proj`` and every
+    MLP ``down_proj``, routed and shared experts alike) are zero: each adds exactly nothing to the residual
+    stream, yet costs a full layer of attention, routing and experts. The deeper target therefore computes the
+    same tokens, and the same hidden states at the original layer ids, as the original, so a drafter trained on
+    the original is accepted exactly as before. This is for benchmarks that need the target's forward to
+    dominate the drafter's (speculative decoding only pays off then), without training a bigger target; it
+    is not a model to train or to report acceptance of.
+    """
+    import copy
+    import json
+
+    src, dst = Path(src), Path(dst)
+    saved_dtype = json.loads((src / "config.json").read_text()).get("dtype") or "float32"
+    model, tokenizer = load_target(src, "cpu", dtype=saved_dtype if isinstance(saved_dtype, str) else "float32")
+    layers = model.model.layers
+    if num_layers < len(layers):
+        raise ValueError(f"num_layers {num_layers} is below the target's {len(layers)} layers: deepen only adds")
+    last = layers[-1]
+    for idx in range(len(layers), num_layers):
+        layer = copy.deepcopy(last)
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                # "o_proj.weight", or a fused expert tensor such as "experts.down_proj" (transformers 5)
+                if set(name.split(".")[-2:]) & set(_OUTPUT_PROJECTIONS):
+                    param.zero_()
+        for module in layer.modules():  # the KV cache is indexed by layer
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = idx
+        layers.append(layer)
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = list(model.config.layer_types) + [model.config.layer_types[-1]] * (
+            num_layers - len(model.config.layer_types))
+    return save_target(model, tokenizer, dst)
