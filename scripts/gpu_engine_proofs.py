@@ -17,6 +17,11 @@ suite ``single`` (one GPU):
   5. benchmarks side by side: output tokens/s with and without EAGLE-3 at batch 1, 8, 32; patched vs native
      throughput; hidden-state extraction vs plain prefill (transformers).
 suite ``tp`` (two GPUs): the legacy refusal at TP 2, the patch in both workers, outputs at TP 2 equal to TP 1.
+suite ``speed``: output tokens/s with and without EAGLE-3 (and our forward forced) at batch 1, 8, 32 on the run's
+  target deepened to ``--layers`` layers (``target.deepen_target``: same tokens, a forward that dominates the
+  drafter's); resumable over several device calls.
+suite ``served``: ``vllm serve`` through ``serve.VllmServedEngine`` (baseline, then EAGLE-3 with the patch under
+  the legacy simulation), and no GPU process left after the shutdown.
 
 Writes OUT_DIR/proofs.json, OUT_DIR/proofs.md (a table) and one log per engine; metric snapshots for the tests'
 fixtures go to OUT_DIR/fixtures/.
@@ -123,10 +128,11 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
         bench = {}
         for b in job["bench"]:
             batch = (prompts * (b // len(prompts) + 1))[:b]
-            eng._run(llm, batch, sp)  # noqa: SLF001 - warm-up at this batch size (graph capture, caches)
+            for _ in range(job.get("warmup", 1)):  # warm-up at this batch size (graph capture, Triton JIT, caches)
+                eng._run(llm, batch, sp)  # noqa: SLF001
             t0 = time.perf_counter()
             reps = 0
-            while reps < 3 or time.perf_counter() - t0 < 2.0:
+            while reps < 3 or time.perf_counter() - t0 < job.get("min_seconds", 2.0):
                 outs_b = eng._run(llm, batch, sp)  # noqa: SLF001
                 reps += 1
             dt = (time.perf_counter() - t0) / reps
@@ -381,13 +387,107 @@ def suite_tp(run_dir: Path, out: Path, n: int, mt: int, k: int, tp: int) -> dict
     }
 
 
+def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int) -> dict[str, Any]:
+    """Speedup where the target's forward dominates: the run's target deepened to ``layers`` layers.
+
+    ``target.deepen_target`` appends layers with zero output projections: the same tokens and aux states as
+    the trained target (so its trained drafter is accepted as before), at the compute of a deeper model.
+    Each engine's result is kept in OUT (``<name>.result.json``) and not run again, so the suite can be
+    spread over several device calls.
+    """
+    import tempfile
+
+    from eagle3lab.target import deepen_target
+
+    deep = Path(tempfile.gettempdir()) / f"eagle3lab-deep-{layers}"
+    t0 = time.perf_counter()
+    if not (deep / "config.json").is_file():
+        deepen_target(run_dir / "artifacts/target", deep, layers)
+    deepen_s = time.perf_counter() - t0
+    prompts = _prompts(run_dir, n)
+    dr = str(run_dir / "artifacts/drafter")
+    base = {"target": str(deep), "prompts": prompts, "max_tokens": mt, "k": k, "bench": [1, 8, 32], "warmup": 3,
+            "min_seconds": 4.0}
+    opts = {"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": 0.4, "max_model_len": 1024}
+    R: dict[str, dict] = {}
+    for name, drafter, patch in (("speed-baseline", None, None), ("speed-native", dr, PATCH["native"]),
+                                 ("speed-forced", dr, PATCH["forced"])):
+        keep = out / f"{name}.result.json"
+        if keep.is_file() and json.loads(keep.read_text()).get("exit_code") == 0:
+            R[name] = json.loads(keep.read_text())
+            continue
+        R[name] = run_child({**base, "name": name, "options": opts, "drafter": drafter}, out, patch, timeout=540)
+        keep.write_text(json.dumps(R[name], default=str))
+    b0, bn, bf = (R[m].get("bench", {}) for m in ("speed-baseline", "speed-native", "speed-forced"))
+    st = R["speed-native"].get("stats")
+    tau = 1 + st["num_accepted_tokens"] / st["num_drafts"] if st and st["num_drafts"] else None
+    step = {"target_step_ms_b1": 1e3 / b0["1"]["tokens_per_s"] if "1" in b0 else None}
+    if tau and "1" in bn and "1" in b0:
+        round_ms = 1e3 * tau / bn["1"]["tokens_per_s"]
+        step["eagle3_round_ms_b1"] = round_ms
+        step["drafting_ms_per_round_b1"] = round_ms - step["target_step_ms_b1"]
+        step["drafter_to_target_step_cost"] = (round_ms - step["target_step_ms_b1"]) / k / step["target_step_ms_b1"]
+    return {
+        "layers": layers, "deepen_seconds": deepen_s,
+        "source_layers": json.loads((run_dir / "artifacts/target/config.json").read_text())["num_hidden_layers"],
+        "tau_k3": tau, "stats_native": st, "stats_forced": R["speed-forced"].get("stats"),
+        "counters_equal_forced_native": st == R["speed-forced"].get("stats"),
+        "outputs_equal_baseline_native": R["speed-baseline"].get("outputs") == R["speed-native"].get("outputs"),
+        "outputs_equal_native_forced": R["speed-native"].get("outputs") == R["speed-forced"].get("outputs"),
+        "baseline_tokens_per_s": {b: v["tokens_per_s"] for b, v in b0.items()},
+        "eagle3_tokens_per_s": {b: v["tokens_per_s"] for b, v in bn.items()},
+        "forced_tokens_per_s": {b: v["tokens_per_s"] for b, v in bf.items()},
+        "speedup": {b: bn[b]["tokens_per_s"] / b0[b]["tokens_per_s"] for b in b0 if b in bn},
+        "forced_vs_native_throughput": {b: bf[b]["tokens_per_s"] / bn[b]["tokens_per_s"] for b in bn if b in bf},
+        **step,
+        "exit_codes": {m: r.get("exit_code") for m, r in R.items()},
+        "engine_start_s": {m: r.get("engine_start_s") for m, r in R.items()},
+    }
+
+
+def suite_served(run_dir: Path, out: Path, n: int, mt: int, k: int) -> dict[str, Any]:
+    """``vllm serve`` on the GPU through VllmServedEngine: baseline, then EAGLE-3 under the legacy simulation
+    with the patch (through the plugin), then a clean shutdown with no process of the server left."""
+    from eagle3lab.plugin import plugin_env
+    from eagle3lab.serve import VllmServedEngine
+
+    prompts = _prompts(run_dir, n)
+    pids_before = _gpu_pids()
+    t0 = time.perf_counter()
+    eng = VllmServedEngine(run_dir / "artifacts/target", log_dir=out / "served", enforce_eager=True,
+                           gpu_memory_utilization=0.4, max_model_len=1024, dtype="bfloat16",
+                           env=plugin_env(**PATCH["legacy+patch"]))
+    with eng:
+        base = eng.generate(prompts, mt)
+        spec = eng.speculative_generate(prompts, run_dir / "artifacts/drafter", k, mt)
+        launches = list(eng.launches)
+    time.sleep(2)
+    left = sorted(set(_gpu_pids()) - set(pids_before))
+    s = spec.stats
+    return {"seconds": time.perf_counter() - t0, "launches": launches, "prompts": len(prompts),
+            "outputs_equal_baseline": spec.outputs == base,
+            "mismatching_prompts": sum(a != b for a, b in zip(base, spec.outputs, strict=True)),
+            "stats": s.to_dict(), "tau": s.mean_acceptance_length,
+            "gpu_processes_left_after_close": left}
+
+
+def _gpu_pids() -> list[int]:
+    try:
+        txt = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [int(x) for x in txt.split() if x.strip().isdigit()]
+
+
 def main() -> int:
     import argparse
 
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir")
     ap.add_argument("out_dir")
-    ap.add_argument("--suite", choices=["single", "tp"], default="single")
+    ap.add_argument("--suite", choices=["single", "tp", "speed", "served"], default="single")
+    ap.add_argument("--layers", type=int, default=96, help="suite speed: layers of the deepened target")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
@@ -409,8 +509,12 @@ def main() -> int:
         pass
     if a.suite == "single":
         res = suite_single(run_dir, out, a.prompts, a.max_tokens, a.k)
-    else:
+    elif a.suite == "tp":
         res = suite_tp(run_dir, out, a.prompts, a.max_tokens, a.k, a.tp)
+    elif a.suite == "speed":
+        res = suite_speed(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers)
+    else:
+        res = suite_served(run_dir, out, a.prompts, a.max_tokens, a.k)
     doc = {**head, **res}
     (out / "proofs.json").write_text(json.dumps(doc, indent=1, default=str))
     print(json.dumps(doc, indent=1, default=str)[:6000])

@@ -178,3 +178,20 @@ def test_records_for_labels_and_skips():
     assert recs[0]["config"] == "heldout/main/k2/T1" and recs[0]["output_pieces"] == ["5", "6"]
     abl = A.records_for([tr], [[1]], split="heldout", drafter="[1, 3]", aux_layer_ids=[3, 1], k=2, temperature=0.0)
     assert abl[0]["config"] == "heldout/[1, 3]/k2/T0"
+
+
+def test_engine_vs_reference_side_by_side_with_the_h200_figures():
+    # counters of the H200 proof (benchmarks/gpu/20261129-h200/proofs): vLLM compiled vs the reference decoder
+    vllm = A.SpecDecodeStats(num_drafts=820, num_draft_tokens=2460, num_accepted_tokens=1239,
+                             accepted_per_pos=[548, 395, 296])
+    ref = A.SpecDecodeStats(num_drafts=812, num_draft_tokens=2436, num_accepted_tokens=1247,
+                            accepted_per_pos=[545, 403, 299])
+    cmp = A.engine_vs_reference(vllm, ref)
+    assert [r["position"] for r in cmp.rows] == [1, 2, 3, "τ"]
+    assert cmp.rows[1]["gap"] == round(395 / 820 - 403 / 812, 4)
+    assert cmp.max_gap == pytest.approx(abs(395 / 820 - 403 / 812)) and cmp.agree  # 0.015, as the proof says
+    far = A.SpecDecodeStats(num_drafts=820, num_draft_tokens=2460, num_accepted_tokens=600,
+                            accepted_per_pos=[400, 150, 50])
+    assert not A.engine_vs_reference(far, ref).agree
+    with pytest.raises(ValueError, match="no drafting rounds"):
+        A.engine_vs_reference(A.SpecDecodeStats(), ref)
