@@ -138,3 +138,19 @@ def test_resume_reruns_only_what_did_not_finish(workbook, tmp_path, capsys):
 def test_resume_refuses_a_folder_that_is_not_a_run(workbook, tmp_path, capsys):
     assert cli.main(["run", "--resume", str(tmp_path)]) == 2
     assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_until_stops_after_a_step_and_resume_finishes(workbook, capsys):
+    _nb(workbook / "notebooks" / "01_first.ipynb", "wb.record('first.value', 1)")
+    _nb(workbook / "notebooks" / "02_second.ipynb", "wb.record('second.value', 2)")
+    _nb(workbook / "notebooks" / "03_third.ipynb", "wb.record('third.value', 3)")
+    assert cli.main(["run", "--until", "02", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "stopped early" in out
+    run_dir = Path(out.split("report: ")[1].splitlines()[0]).parent
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert [s["status"] for s in m["steps"]] == ["ok", "ok", "pending"] and "03_third" not in m["metrics"]
+    assert cli.main(["run", "--resume", str(run_dir), "--until", "03"]) == 2  # a resumed run takes no new options
+    assert cli.main(["run", "--resume", str(run_dir), "--no-progress"]) == 0
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert [s["status"] for s in m["steps"]] == ["ok", "ok", "ok"] and m["metrics"]["03_third"]["third.value"] == 3

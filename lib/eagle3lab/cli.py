@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--only", metavar="01,02", help="comma-separated notebooks (numbers or names)")
     r.add_argument("--outputs", metavar="DIR", help="parent folder of run folders (default: outputs/)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    r.add_argument("--until", metavar="NN", help="stop after this notebook; the rest stay pending for --resume")
     r.add_argument("--resume", metavar="RUN", help="continue this run folder: steps that ended ok are kept, the "
                    "others run again with the folder's own params.yaml (no --params, -p or --only)")
 
@@ -85,16 +86,19 @@ def _cmd_run(a: argparse.Namespace) -> int:
     from eagle3lab import runner
 
     if a.resume:
-        if a.params or a.overrides or a.only or a.outputs:
-            raise InputError([("--resume", "a resumed run keeps its own params.yaml: drop --params, -p, --only and --outputs")])
+        if a.params or a.overrides or a.only or a.outputs or a.until:
+            raise InputError([("--resume", "a resumed run keeps its own params.yaml: drop --params, -p, --only, --outputs and --until")])
         result = runner.resume(a.resume, progress=not a.no_progress)
     else:
-        result = runner.run(a.params, _only(a.only), a.overrides, a.outputs, progress=not a.no_progress)
+        result = runner.run(a.params, _only(a.only), a.overrides, a.outputs, progress=not a.no_progress,
+                            until=a.until)
     for s in result.steps:
         extra = f"  {s.error}" if s.error else ""
         print(f"{s.name:<20} {s.status:<8} {s.seconds:7.1f} s{extra}")
     print(f"report: {result.run_dir / 'index.html'}")
-    return EXIT_OK if result.ok else EXIT_NO
+    if not result.ok and not result.failed:
+        print(f"stopped early: eagle3lab run --resume {result.run_dir}")
+    return EXIT_NO if result.failed else EXIT_OK
 
 
 def _cmd_validate(a: argparse.Namespace) -> int:

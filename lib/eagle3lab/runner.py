@@ -53,6 +53,11 @@ class RunResult:
     def ok(self) -> bool:
         return all(s.status == "ok" for s in self.steps)
 
+    @property
+    def failed(self) -> bool:
+        """A step failed (or was skipped after one); ``pending`` steps of a run stopped by ``until`` are not."""
+        return any(s.status in ("failed", "skipped") for s in self.steps)
+
 
 def discover_notebooks(root: Path) -> list[Path]:
     """The workbook's notebooks (``notebooks/NN_name.ipynb``) in order."""
@@ -164,10 +169,12 @@ def run(
     overrides: list[str] | None = None,
     outputs: str | Path | None = None,
     progress: bool = True,
+    until: str | None = None,
 ) -> RunResult:
     """Validate the params, then execute the selected notebooks into a new run folder.
 
-    Raises :class:`eagle3lab.params.ParamsError` before anything is written when the params or the
+    ``until`` (a notebook's number or name) stops the run after that step: the later steps stay ``pending``
+    for :func:`resume` (a long run split over several sessions). Raises :class:`eagle3lab.params.ParamsError` before anything is written when the params or the
     selection are bad.
     """
     root = repo_root()
@@ -176,6 +183,7 @@ def run(
     steps = select_notebooks(discover_notebooks(root), only or p.notebooks)
     if not steps:
         raise params_mod.ParamsError(str(pfile), "notebooks", f"no notebooks found under {root / 'notebooks'}")
+    stop_after = select_notebooks(steps, [until])[0].stem if until else None
 
     run_dir = new_run_dir(Path(outputs) if outputs else root / "outputs", p.profile)
     injected = params_mod.to_jsonable(p)
@@ -190,7 +198,7 @@ def run(
         "python": sys.executable,
     }
     result = RunResult(run_dir, [StepResult(nb.stem) for nb in steps])
-    return _execute(root, p, injected, steps, result, info, progress)
+    return _execute(root, p, injected, steps, result, info, progress, stop_after)
 
 
 def resume(run_dir: str | Path, progress: bool = True) -> RunResult:
@@ -235,8 +243,10 @@ def _execute(
     result: RunResult,
     info: dict[str, Any],
     progress: bool,
+    stop_after: str | None = None,
 ) -> RunResult:
-    """Execute every step of ``result`` that is not already ``ok``, writing the run folder as it goes."""
+    """Execute every step of ``result`` that is not already ``ok``, writing the run folder as it goes; after
+    the step named ``stop_after`` the rest stay ``pending``."""
     import papermill as pm
     from tqdm.auto import tqdm
 
@@ -253,6 +263,7 @@ def _execute(
     log.info("run %s: profile %s, notebooks %s%s", run_dir, p.profile, ", ".join(todo),
              " (resumed)" if info.get("resumed") else "")
     _write_summary(result, p, info)  # a run killed in its first step can still be resumed
+    stopped = False
     old_env = dict(os.environ)
     try:
         with tempfile.TemporaryDirectory(prefix="eagle3lab-kernel-") as tmp:
@@ -262,7 +273,7 @@ def _execute(
             failed = False
             bar = tqdm(list(zip(steps, result.steps, strict=True)), desc="workbook", unit="notebook", disable=not progress)
             for nb, step in bar:
-                if step.status == "ok":
+                if step.status == "ok" or stopped:
                     continue
                 if failed:
                     step.status = "skipped"
@@ -302,12 +313,15 @@ def _execute(
                             log.error("%s: HTML export failed: %s", step.name, exc)
                     _write_summary(result, p, info)
                 log.info("%s: %s in %.1f s", step.name, step.status, step.seconds)
+                if step.name == stop_after:
+                    stopped = True
+                    log.info("stopped after %s (--until): resume with eagle3lab run --resume %s", step.name, run_dir)
     finally:
         summary = _vllm_log_summary(run_dir)
         if summary:
             log.info(summary)
         for s in result.steps:
-            if s.status == "pending":
+            if s.status == "pending" and not stopped:
                 s.status = "skipped"
         info["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         _write_summary(result, p, info)
