@@ -5,16 +5,40 @@
 # (.device-snap/src.tgz: `git archive`, so half-edited files of the working tree never reach the device),
 # then runs one step. Everything it writes that matters goes under $OUT.
 #   setup      install wheels + eagle3lab (with its vllm.general_plugins entry point) into /tmp/site2
-#   workbook   eagle3lab run --params params/embedded-gpu.yaml (00-05 with the vLLM engine)
+#   workbook   eagle3lab run --params params/embedded-gpu.yaml (00-05 with the vLLM engine; WB_UNTIL=03 stops
+#              after 03, the rest stays pending)
+#   resume     eagle3lab run --resume on that run folder (a device call is limited to 10 minutes: a run that
+#              does not fit one call continues in the next, on the same warm machine)
 #   proofs     scripts/gpu_engine_proofs.py on that run (suite single)
-#   tp         scripts/gpu_engine_proofs.py --suite tp on a carried CPU run's artifacts (.device-snap/run.tgz)
+#   tp         scripts/gpu_engine_proofs.py --suite tp on that run (or on a carried run, .device-snap/run.tgz)
+#   speed      scripts/gpu_engine_proofs.py --suite speed (target deepened to LAYERS layers; resumable)
+#   served     scripts/gpu_engine_proofs.py --suite served
 #   tests      the GPU-marked tests
 #   caches     tar the kernel caches into $OUT (carry them next time)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:/tmp/site2
 export EAGLE3LAB_BATCH=1 TOKENIZERS_PARALLELISM=false
+export JUPYTER_PATH=/tmp/site2/share/jupyter  # nbconvert's templates, installed with --target
 here=$(pwd)
+
+# Run "$@" in a process group of its own, killed as a whole after $1 seconds: a notebook kernel or a vLLM
+# engine core left behind would hold the GPU for the next step.
+bounded() {
+  local t=$1; shift
+  setsid "$@" & local pid=$!
+  ( trap 'kill $s 2>/dev/null; exit 0' TERM; sleep "$t" & s=$!; wait $s
+    kill -TERM -- "-$pid"; sleep 15; kill -KILL -- "-$pid" ) >/dev/null 2>&1 & local guard=$!
+  wait "$pid"; local rc=$?
+  kill "$guard" 2>/dev/null; return $rc
+}
+copy_run() {
+  local run; run=$(ls -d /tmp/e3out/*/ | head -1)
+  mkdir -p "$OUT/workbook"
+  (cd "$run" && cp -r *.html *.js metrics.json metrics run.log params.yaml logs "$OUT/workbook/" 2>/dev/null)
+  (cd "$run/artifacts" && tar -czf "$OUT/workbook/small-artifacts.tgz" data/heldout_prompts.jsonl data/meta.json \
+      acceptance drafter/config.json target/config.json 2>/dev/null)
+}
 for step in "$@"; do case $step in
 setup)
   rm -rf /tmp/src /tmp/site2 && mkdir -p /tmp/src /tmp/site2
@@ -26,21 +50,38 @@ setup)
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/machine.txt";;
 workbook)
   rm -rf /tmp/e3out
-  cd /tmp/src && timeout "${WB_TIMEOUT:-560}" python3 -m eagle3lab run --params params/embedded-gpu.yaml --outputs /tmp/e3out \
-      --no-progress ${WB_ARGS:-} 2>&1 | grep -v "Kernel is running over TCP" | tail -20 | tee "$OUT/workbook.txt"
+  cd /tmp/src && bounded "${WB_TIMEOUT:-560}" python3 -m eagle3lab run --params params/embedded-gpu.yaml \
+      --outputs /tmp/e3out --no-progress ${WB_UNTIL:+--until $WB_UNTIL} > "$OUT/workbook.txt" 2>&1
+  grep -v "Kernel is running over TCP" "$OUT/workbook.txt" | tail -20
+  copy_run; cd "$here";;
+resume)
   run=$(ls -d /tmp/e3out/*/ | head -1)
-  mkdir -p "$OUT/workbook"
-  (cd "$run" && cp -r *.html *.js metrics.json metrics run.log params.yaml logs "$OUT/workbook/" 2>/dev/null)
-  cd "$here";;
+  cd /tmp/src && bounded "${WB_TIMEOUT:-560}" python3 -m eagle3lab run --resume "$run" --no-progress \
+      > "$OUT/resume.txt" 2>&1
+  grep -v "Kernel is running over TCP" "$OUT/resume.txt" | tail -20
+  copy_run; cd "$here";;
 proofs)
   run=$(ls -d /tmp/e3out/*/ | head -1)
   cd /tmp/src && timeout "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/proofs" --prompts 32 --max-tokens 64 \
       2>&1 | tail -60
   cd "$here";;
 tp)
-  rm -rf /tmp/cpurun && mkdir -p /tmp/cpurun && tar -xzf .device-snap/run.tgz -C /tmp/cpurun
-  cd /tmp/src && timeout "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py /tmp/cpurun "$OUT/tp" --suite tp --tp 2 \
-      --prompts 32 --max-tokens 64 2>&1 | tail -60
+  run=$(ls -d /tmp/e3out/*/ 2>/dev/null | head -1)
+  if [ -z "$run" ]; then rm -rf /tmp/cpurun && mkdir -p /tmp/cpurun && tar -xzf .device-snap/run.tgz -C /tmp/cpurun; run=/tmp/cpurun; fi
+  cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/tp" --suite tp \
+      --tp 2 --prompts 32 --max-tokens 64 > "$OUT/tp.txt" 2>&1; tail -40 "$OUT/tp.txt"
+  cd "$here";;
+speed)
+  run=$(ls -d /tmp/e3out/*/ | head -1)
+  mkdir -p /tmp/speed
+  cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" /tmp/speed --suite speed \
+      --layers "${LAYERS:-96}" --prompts 32 --max-tokens 64 > /tmp/speed/speed.txt 2>&1; tail -40 /tmp/speed/speed.txt
+  rm -f /tmp/speed/*.pt; cp -r /tmp/speed "$OUT/speed"
+  cd "$here";;
+served)
+  run=$(ls -d /tmp/e3out/*/ | head -1)
+  cd /tmp/src && bounded "${PROOF_TIMEOUT:-300}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/served" --suite served \
+      --prompts 16 --max-tokens 64 > "$OUT/served.txt" 2>&1; tail -30 "$OUT/served.txt"
   cd "$here";;
 tests)
   cd /tmp/src && timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25 | tee "$OUT/pytest-gpu.txt"

