@@ -57,7 +57,7 @@ workbook)
 resume)
   run=$(ls -d /tmp/e3out/*/ | head -1)
   cd /tmp/src && bounded "${WB_TIMEOUT:-560}" python3 -m eagle3lab run --resume "$run" --no-progress \
-      > "$OUT/resume.txt" 2>&1
+      ${WB_UNTIL:+--until $WB_UNTIL} > "$OUT/resume.txt" 2>&1
   grep -v "Kernel is running over TCP" "$OUT/resume.txt" | tail -20
   copy_run; cd "$here";;
 proofs)

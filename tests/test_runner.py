@@ -150,7 +150,7 @@ def test_until_stops_after_a_step_and_resume_finishes(workbook, capsys):
     run_dir = Path(out.split("report: ")[1].splitlines()[0]).parent
     m = json.loads((run_dir / "metrics.json").read_text())
     assert [s["status"] for s in m["steps"]] == ["ok", "ok", "pending"] and "03_third" not in m["metrics"]
-    assert cli.main(["run", "--resume", str(run_dir), "--until", "03"]) == 2  # a resumed run takes no new options
-    assert cli.main(["run", "--resume", str(run_dir), "--no-progress"]) == 0
+    assert cli.main(["run", "--resume", str(run_dir), "--only", "03"]) == 2  # a resumed run keeps its selection
+    assert cli.main(["run", "--resume", str(run_dir), "--until", "03", "--no-progress"]) == 0
     m = json.loads((run_dir / "metrics.json").read_text())
     assert [s["status"] for s in m["steps"]] == ["ok", "ok", "ok"] and m["metrics"]["03_third"]["third.value"] == 3

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
     r.add_argument("--until", metavar="NN", help="stop after this notebook; the rest stay pending for --resume")
     r.add_argument("--resume", metavar="RUN", help="continue this run folder: steps that ended ok are kept, the "
-                   "others run again with the folder's own params.yaml (no --params, -p or --only)")
+                   "others run again with the folder's own params.yaml (no --params, -p, --only; --until allowed)")
 
     v = sub.add_parser("validate", help="validate a parameter file and print the resolved parameters")
     v.add_argument("file")
@@ -86,9 +86,9 @@ def _cmd_run(a: argparse.Namespace) -> int:
     from eagle3lab import runner
 
     if a.resume:
-        if a.params or a.overrides or a.only or a.outputs or a.until:
-            raise InputError([("--resume", "a resumed run keeps its own params.yaml: drop --params, -p, --only, --outputs and --until")])
-        result = runner.resume(a.resume, progress=not a.no_progress)
+        if a.params or a.overrides or a.only or a.outputs:
+            raise InputError([("--resume", "a resumed run keeps its own params.yaml: drop --params, -p, --only and --outputs")])
+        result = runner.resume(a.resume, progress=not a.no_progress, until=a.until)
     else:
         result = runner.run(a.params, _only(a.only), a.overrides, a.outputs, progress=not a.no_progress,
                             until=a.until)

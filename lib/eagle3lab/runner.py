@@ -201,13 +201,14 @@ def run(
     return _execute(root, p, injected, steps, result, info, progress, stop_after)
 
 
-def resume(run_dir: str | Path, progress: bool = True) -> RunResult:
+def resume(run_dir: str | Path, progress: bool = True, until: str | None = None) -> RunResult:
     """Continue a run folder whose run stopped (a failed step, a killed process, a time limit).
 
     The folder's own ``params.yaml`` is the run's parameters (a resumed run cannot change them); the steps
     that ended ``ok`` in its ``metrics.json`` are kept as they are, and every other step is executed again,
-    in order, into the same folder. The notebooks' artifacts are resumable, so work that finished before the
-    stop (a trained target, generated samples) is not redone. ``info["resumed"]`` records when and where.
+    in order, into the same folder (up to ``until``, as in :func:`run`). The notebooks' artifacts are
+    resumable, so work that finished before the stop (a trained target, generated samples) is not redone.
+    ``info["resumed"]`` records when and where.
     """
     root = repo_root()
     run_dir = Path(run_dir)
@@ -232,7 +233,9 @@ def resume(run_dir: str | Path, progress: bool = True) -> RunResult:
         if s.status != "ok":
             s.status, s.error, s.seconds = "pending", "", 0.0
     result = RunResult(run_dir, previous)
-    return _execute(root, p, injected, [by_name[s.name] for s in previous], result, info, progress)
+    notebooks = [by_name[s.name] for s in previous]
+    stop_after = select_notebooks(notebooks, [until])[0].stem if until else None
+    return _execute(root, p, injected, notebooks, result, info, progress, stop_after)
 
 
 def _execute(
