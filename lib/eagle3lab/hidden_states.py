@@ -19,7 +19,9 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -250,6 +252,197 @@ def _stats(manifest: dict[str, Any], rebuilt: str | None = None) -> ExtractionSt
     )
 
 
+# At most this many computed shards wait for (or are in) the writer thread; queueing another blocks until
+# one is on disk. With the shard being computed besides, at most three shards are in host memory: enough
+# for a slow write to overlap the next shard's forwards, and a bound however far the disk falls behind.
+SHARDS_IN_FLIGHT = 2
+
+
+@dataclass
+class _HostBatch:
+    """One batch's aux states on their way to the host."""
+
+    aux: torch.Tensor  # [B, T, n_aux * H] on the CPU; pinned when it comes from CUDA
+    ready: torch.cuda.Event | None  # recorded after the copy into ``aux``; None: the copy was synchronous
+
+    def wait(self) -> torch.Tensor:
+        """The CPU tensor, once the copy into it has finished."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.aux
+
+
+def _to_host(aux: torch.Tensor, out_dtype: torch.dtype, copy_stream: torch.cuda.Stream | None) -> _HostBatch:
+    """Copy ``aux`` to the CPU as ``out_dtype``: on CUDA started on ``copy_stream`` and not waited for."""
+    if copy_stream is None:
+        return _HostBatch(aux.to("cpu", out_dtype), None)
+    # Cast on the device: a float32 target stored in bfloat16 moves half the bytes. Both devices cast
+    # with round-to-nearest-even, so the stored bytes are those of a cast on the CPU.
+    aux = aux.to(out_dtype)
+    # Only a copy into pinned memory is asynchronous; from pageable memory the host waits for it.
+    host = torch.empty(aux.shape, dtype=out_dtype, pin_memory=True)
+    # On a side stream, so that the next batch's forward does not queue behind the copy.
+    copy_stream.wait_stream(torch.cuda.current_stream(aux.device))
+    with torch.cuda.stream(copy_stream):
+        host.copy_(aux, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(copy_stream)
+    # aux is freed on the compute stream: keep its memory from the next forward until the copy has read it.
+    aux.record_stream(copy_stream)
+    return _HostBatch(host, ready)
+
+
+def _padded_batch(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of ``seqs``, padded on the right to the longest."""
+    # Right padding: causal attention keeps real tokens blind to the pad, so states are exact.
+    x = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
+    mask = torch.zeros_like(x)
+    for r, s in enumerate(seqs):
+        x[r, : len(s)] = torch.tensor(s)
+        mask[r, : len(s)] = 1
+    return x, mask
+
+
+def _sequence(rec: dict[str, Any]) -> list[int]:
+    return list(rec["prompt_ids"]) + list(rec["output_ids"])
+
+
+@dataclass
+class _ComputedShard:
+    """A shard whose forwards have been issued; its aux states may still be on their way to the host."""
+
+    index: int
+    samples: list[dict[str, Any]]
+    batches: list[_HostBatch]  # consecutive samples, in order
+    tokens: int
+
+    @property
+    def ids(self) -> list[Any]:
+        return [s["id"] for s in self.samples]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The shard's entries ``{i}.input_ids``, ``{i}.loss_mask``, ``{i}.aux``, once the copies are done."""
+        tensors: dict[str, torch.Tensor] = {}
+        i = 0
+        for hb in self.batches:
+            aux = hb.wait()
+            for r in range(aux.shape[0]):
+                rec = self.samples[i]
+                seq = _sequence(rec)
+                lm = torch.zeros(len(seq), dtype=torch.uint8)
+                lm[len(rec["prompt_ids"]) :] = 1
+                tensors[f"{i}.input_ids"] = torch.tensor(seq, dtype=torch.long)
+                tensors[f"{i}.loss_mask"] = lm
+                tensors[f"{i}.aux"] = aux[r, : len(seq)].contiguous()
+                i += 1
+        return tensors
+
+
+def _compute_shard(
+    model: nn.Module,
+    index: int,
+    samples: list[dict[str, Any]],
+    aux_layer_ids: list[int],
+    dev: torch.device,
+    batch_size: int,
+    out_dtype: torch.dtype,
+    copy_stream: torch.cuda.Stream | None,
+    bar: Any,
+) -> _ComputedShard:
+    """Run the target over one shard's samples, ``batch_size`` at a time, without waiting for the copies."""
+    batches: list[_HostBatch] = []
+    tokens = 0
+    for b in range(0, len(samples), batch_size):
+        seqs = [_sequence(rec) for rec in samples[b : b + batch_size]]
+        x, mask = _padded_batch(seqs)
+        res = target_forward_with_aux(model, x.to(dev), aux_layer_ids, mask.to(dev))
+        batches.append(_to_host(res.aux, out_dtype, copy_stream))
+        del res  # the logits: free them before the next forward
+        tokens += sum(len(s) for s in seqs)
+        bar.update(len(seqs))
+    return _ComputedShard(index, samples, batches, tokens)
+
+
+class _ShardWriter:
+    """Writes computed shards in order on one background thread and records each in the manifest.
+
+    The manifest is the writer's while it runs; the caller reads it only after :meth:`finish` or
+    :meth:`abort`. A shard enters the manifest only once its file is renamed into place, and after a failed
+    write no later shard is written, so the manifest always lists a prefix of the shards, all on disk:
+    a resumed run carries on after it.
+    """
+
+    def __init__(
+        self, out: Path, manifest: dict[str, Any], n_shards: int, max_in_flight: int = SHARDS_IN_FLIGHT
+    ) -> None:
+        self._out = out
+        self._manifest = manifest
+        self._n_shards = n_shards
+        self._max_in_flight = max_in_flight
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3lab-shard-writer")
+        self._pending: deque[Future[None]] = deque()
+        self._failed = False  # a write failed: writing later shards would leave a gap in the manifest
+        self._stopping = False
+        # Each shard's "seconds" is the wall time since the previous one was recorded: with compute and
+        # writes overlapped, a shard's own time is not defined, but the sum is the run's wall time.
+        self._clock = time.perf_counter()
+
+    def submit(self, shard: _ComputedShard) -> None:
+        """Queue ``shard``, first waiting while ``max_in_flight`` are queued; re-raises a failed write."""
+        while self._pending and (self._pending[0].done() or len(self._pending) >= self._max_in_flight):
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(self._write, shard))
+
+    def finish(self) -> None:
+        """Wait until every queued shard is written; re-raises the first failed write."""
+        while self._pending:
+            self._pending.popleft().result()
+        self._pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        """Drop the queued shards, wait for the one being written, and end the thread."""
+        self._stopping = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for fut in self._pending:
+            if not fut.cancelled() and fut.exception() is not None:
+                log.warning("shard writer, stopped after an error: %r", fut.exception())
+        self._pending.clear()
+
+    def _write(self, shard: _ComputedShard) -> None:
+        # Runs on the writer thread, one shard at a time in submission order.
+        if self._failed or self._stopping:
+            return  # an earlier write failed (the caller gets that error first), or the run is stopping
+        try:
+            self._write_shard(shard)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def _write_shard(self, shard: _ComputedShard) -> None:
+        from safetensors.torch import save_file
+
+        name = f"shard-{shard.index:05d}.safetensors"
+        tmp = self._out / (name + ".tmp")
+        save_file(shard.tensors(), str(tmp), metadata={"ids": json.dumps(shard.ids)})
+        os.replace(tmp, self._out / name)
+        self._record(name, shard, (self._out / name).stat().st_size)
+
+    def _record(self, name: str, shard: _ComputedShard, size: int) -> None:
+        now = time.perf_counter()
+        secs, self._clock = now - self._clock, now
+        m = self._manifest
+        m["shards"].append({"file": name, "ids": shard.ids, "tokens": shard.tokens, "bytes": size})
+        st = m["stats"]
+        st["sequences"] += len(shard.samples)
+        st["tokens"] += shard.tokens
+        st["seconds"] += secs
+        st["bytes"] += size
+        st["tokens_per_s"] = st["tokens"] / st["seconds"] if st["seconds"] > 0 else None
+        st["bytes_per_token"] = st["bytes"] / st["tokens"]
+        m["complete"] = len(m["shards"]) == self._n_shards
+        _write_json_atomic(self._out / MANIFEST, m)
+
+
 def extract_hidden_states(
     model: nn.Module,
     samples_path: str | Path,
@@ -268,10 +461,12 @@ def extract_hidden_states(
 
     Shard ``j`` holds samples ``j*shard_sequences`` .. ``(j+1)*shard_sequences - 1`` (in id order); key
     ``"{i}.input_ids"``, ``"{i}.loss_mask"`` (1 on response tokens) and ``"{i}.aux"`` for its i-th sequence
-    (``manifest["shards"][j]["ids"][i]`` is the sample id). Only one shard is in memory at a time. Each
-    shard is written to a temp name and renamed, then the manifest is rewritten atomically, so a killed
-    run resumes after its last complete shard with nothing lost or duplicated. ``max_shards`` stops after
-    that many new shards (chunked runs, tests).
+    (``manifest["shards"][j]["ids"][i]`` is the sample id). One background thread writes the shards while
+    the target runs over the next ones (on CUDA the copies to the host are asynchronous too), so at most
+    :data:`SHARDS_IN_FLIGHT` + 1 shards are in host memory. Each shard is written to a temp name and
+    renamed, then the manifest is rewritten atomically, so a killed run resumes after its last complete
+    shard with nothing lost or duplicated; a failed write is raised here, after the writer has stopped.
+    ``max_shards`` stops after that many new shards (chunked runs, tests).
 
     Provenance: the manifest records the samples file's sha256, the model's weights fingerprint
     (:func:`eagle3lab.provenance.model_fingerprint`), the ids, dtype and width. An existing folder made
@@ -281,8 +476,6 @@ def extract_hidden_states(
     """
     if on_stale not in ("rebuild", "refuse"):
         raise ValueError(f"on_stale {on_stale!r}: expected 'rebuild' or 'refuse'")
-    from safetensors.torch import save_file
-
     from eagle3lab.progress import progress as progress_bar
     from eagle3lab.synthetic import read_samples
 
@@ -334,53 +527,21 @@ def extract_hidden_states(
     out_dtype = _DTYPES[dtype]
     bar = progress_bar(total=sum(len(s) for s in shards), initial=sum(len(s) for s in shards[:start]),
                        desc="extracting hidden states", disable=not progress)
-    for written, j in enumerate(range(start, len(shards))):
-        if max_shards is not None and written >= max_shards:
-            break
-        t0 = time.perf_counter()
-        tensors: dict[str, torch.Tensor] = {}
-        tokens = 0
-        shard = shards[j]
-        for b in range(0, len(shard), batch_size):
-            batch = shard[b : b + batch_size]
-            seqs = [list(s["prompt_ids"]) + list(s["output_ids"]) for s in batch]
-            width = max(len(s) for s in seqs)
-            # Right padding: causal attention keeps real tokens blind to the pad, so states are exact.
-            x = torch.zeros(len(seqs), width, dtype=torch.long)
-            mask = torch.zeros(len(seqs), width, dtype=torch.long)
-            for r, s in enumerate(seqs):
-                x[r, : len(s)] = torch.tensor(s)
-                mask[r, : len(s)] = 1
-            res = target_forward_with_aux(model, x.to(dev), ids, mask.to(dev))
-            aux = res.aux.to("cpu", out_dtype)
-            for r, (s, rec) in enumerate(zip(seqs, batch, strict=True)):
-                i = b + r
-                n_prompt = len(rec["prompt_ids"])
-                lm = torch.zeros(len(s), dtype=torch.uint8)
-                lm[n_prompt:] = 1
-                tensors[f"{i}.input_ids"] = torch.tensor(s, dtype=torch.long)
-                tensors[f"{i}.loss_mask"] = lm
-                tensors[f"{i}.aux"] = aux[r, : len(s)].contiguous()
-                tokens += len(s)
-            bar.update(len(batch))
-        name = f"shard-{j:05d}.safetensors"
-        tmp = out / (name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"ids": json.dumps([s["id"] for s in shard])})
-        os.replace(tmp, out / name)
-        size = (out / name).stat().st_size
-        secs = time.perf_counter() - t0
-        manifest["shards"].append({"file": name, "ids": [s["id"] for s in shard], "tokens": tokens, "bytes": size})
-        st = manifest["stats"]
-        st["sequences"] += len(shard)
-        st["tokens"] += tokens
-        st["seconds"] += secs
-        st["bytes"] += size
-        st["tokens_per_s"] = st["tokens"] / st["seconds"] if st["seconds"] > 0 else None
-        st["bytes_per_token"] = st["bytes"] / st["tokens"]
-        manifest["complete"] = len(manifest["shards"]) == len(shards)
-        _write_json_atomic(mpath, manifest)
-        del tensors
-    bar.close()
+    # The forwards of shard j+1 run while the writer thread stores shard j; on CUDA each batch's copy to
+    # the host runs on a side stream, so the GPU goes on to the next forward at once.
+    copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    stop = len(shards) if max_shards is None else max(start, min(len(shards), start + max_shards))
+    writer = _ShardWriter(out, manifest, len(shards))
+    try:
+        for j in range(start, stop):
+            shard = _compute_shard(model, j, shards[j], ids, dev, batch_size, out_dtype, copy_stream, bar)
+            writer.submit(shard)
+        writer.finish()
+    except BaseException:  # KeyboardInterrupt too: leave the manifest listing only shards on disk
+        writer.abort()
+        raise
+    finally:
+        bar.close()
     if (len(manifest["shards"]) == len(shards) and not manifest["complete"]) or not mpath.is_file():
         manifest["complete"] = len(manifest["shards"]) == len(shards)
         _write_json_atomic(mpath, manifest)
