@@ -360,6 +360,23 @@ def suite_tp(run_dir: Path, out: Path, n: int, mt: int, k: int, tp: int) -> dict
         f"patched-tp{tp}": run_child({**base, "name": f"patched-tp{tp}", "options": on, "drafter": dr}, out,
                                      PATCH["legacy+patch"]),
     }
+    return tp_summary(R, out, tp)
+
+
+def result_from_files(out: Path, name: str, exit_code: int) -> dict[str, Any]:
+    """One child's result as ``run_child`` returns it, rebuilt from its files in OUT (its JSON when it
+    finished, its log) and the exit code it printed: for a suite whose children ran over several device calls."""
+    from eagle3lab.engine import refusal_in_log
+
+    js, log = out / f"{name}.json", out / f"{name}.log"
+    r = json.loads(js.read_text()) if exit_code == 0 and js.is_file() else {"name": name}
+    r["exit_code"] = exit_code
+    r["refusal"] = refusal_in_log(log.read_text(errors="replace")) if log.is_file() else None
+    return r
+
+
+def tp_summary(R: dict[str, dict], out: Path, tp: int) -> dict[str, Any]:
+    """The tensor-parallel proof from its five engines: refusal per worker, patch in every worker, outputs."""
     leg = R[f"legacy-tp{tp}"]
     log = (out / f"legacy-tp{tp}.log").read_text(errors="replace")
     refusing_workers = sorted({ln.split("(")[1].split(")")[0] for ln in log.splitlines()

@@ -92,3 +92,39 @@ def test_refusal_read_from_the_h200_engine_core_log() -> None:
     logs = Path("benchmarks/gpu/20261129-h200/proofs")
     assert E.refusal_in_log((logs / "legacy.log").read_text()) == REFUSAL_MESSAGE
     assert E.refusal_in_log((logs / "patched-eager.log").read_text()) is None
+
+
+def test_wall_times_follow_one_warm_up_per_engine_start(tiny_target, monkeypatch) -> None:
+    """A fresh vLLM engine JIT-compiles on its first requests: the timed runs come after one untimed pass over
+    the first prompts, once per engine start, and that pass is outside the counters' before/after window."""
+    import eagle3lab.acceptance as A
+
+    eng = E.VllmEngine(tiny_target)
+    calls: list[tuple[str, int]] = []
+    starts: list[object] = []
+
+    class FakeLLM:
+        def __init__(self, spec: object) -> None:
+            self.spec = spec
+
+        def get_metrics(self) -> list:
+            calls.append(("metrics", 0))
+            return []
+
+    def fake_llm(spec=None):
+        if not starts or starts[-1].spec != spec:
+            starts.append(FakeLLM(spec))
+            eng._warm = False  # what a real (re)start does
+        return starts[-1]
+
+    monkeypatch.setattr(eng, "llm", fake_llm)
+    monkeypatch.setattr(eng, "_sampling", lambda *a, **k: None)
+    monkeypatch.setattr(eng, "_run", lambda llm, prompts, sp: calls.append(("run", len(prompts))) or [[1]] * len(prompts))
+    monkeypatch.setattr(A, "stats_from_vllm_metrics", lambda before, after: A.SpecDecodeStats())
+    prompts = [[1, 2, 3]] * 20
+    eng.generate(prompts, 4)
+    eng.generate(prompts, 4)
+    assert [c for c in calls if c[0] == "run"] == [("run", 8), ("run", 20), ("run", 20)]
+    calls.clear()
+    eng.speculative_generate(prompts, tiny_target, 3, 4, per_prompt=False)  # a new engine: warm-up again
+    assert calls[:3] == [("run", 8), ("metrics", 0), ("run", 20)]
