@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -338,12 +338,47 @@ class _ComputedShard:
         return tensors
 
 
+@runtime_checkable
+class AuxSource(Protocol):
+    """Where aux states come from: a transformers model here (:class:`ModelAuxSource`), or the vLLM engine that
+    serves the target (:class:`eagle3lab.engine_capture.EngineAuxSource`)."""
+
+    hidden_size: int
+    num_layers: int
+    device: torch.device
+
+    def fingerprint(self) -> str:
+        """What identifies the target's weights in an extraction folder's provenance."""
+        ...
+
+    def aux_batch(self, seqs: list[list[int]], aux_layer_ids: list[int]) -> torch.Tensor:
+        """Aux states of each sequence: [B, T, n_aux * H], right-padded to the longest, ascending ids."""
+        ...
+
+
+class ModelAuxSource:
+    """Aux states from a transformers decoder through :func:`target_forward_with_aux` (batched, padded)."""
+
+    def __init__(self, model: nn.Module, device: str | torch.device | None = None) -> None:
+        self.model = model
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.hidden_size = int(model.config.hidden_size)
+        self.num_layers = len(decoder_parts(model)[1])
+
+    def fingerprint(self) -> str:
+        return provenance.model_fingerprint(self.model)
+
+    def aux_batch(self, seqs: list[list[int]], aux_layer_ids: list[int]) -> torch.Tensor:
+        x, mask = _padded_batch(seqs)
+        res = target_forward_with_aux(self.model, x.to(self.device), aux_layer_ids, mask.to(self.device))
+        return res.aux  # the logits go with res: freed before the next forward
+
+
 def _compute_shard(
-    model: nn.Module,
+    source: AuxSource,
     index: int,
     samples: list[dict[str, Any]],
     aux_layer_ids: list[int],
-    dev: torch.device,
     batch_size: int,
     out_dtype: torch.dtype,
     copy_stream: torch.cuda.Stream | None,
@@ -354,10 +389,9 @@ def _compute_shard(
     tokens = 0
     for b in range(0, len(samples), batch_size):
         seqs = [_sequence(rec) for rec in samples[b : b + batch_size]]
-        x, mask = _padded_batch(seqs)
-        res = target_forward_with_aux(model, x.to(dev), aux_layer_ids, mask.to(dev))
-        batches.append(_to_host(res.aux, out_dtype, copy_stream))
-        del res  # the logits: free them before the next forward
+        aux = source.aux_batch(seqs, aux_layer_ids)
+        batches.append(_to_host(aux, out_dtype, copy_stream if aux.is_cuda else None))
+        del aux
         tokens += sum(len(s) for s in seqs)
         bar.update(len(seqs))
     return _ComputedShard(index, samples, batches, tokens)
@@ -444,7 +478,7 @@ class _ShardWriter:
 
 
 def extract_hidden_states(
-    model: nn.Module,
+    model: nn.Module | AuxSource,
     samples_path: str | Path,
     aux_layer_ids: Sequence[int],
     out_dir: str | Path,
@@ -458,6 +492,8 @@ def extract_hidden_states(
     on_stale: str = "rebuild",
 ) -> ExtractionStats:
     """Run the target over prompt+response of every sample and store aux states in safetensors shards.
+
+    ``model`` is a transformers decoder, or any :class:`AuxSource` (e.g. the vLLM engine serving the target).
 
     Shard ``j`` holds samples ``j*shard_sequences`` .. ``(j+1)*shard_sequences - 1`` (in id order); key
     ``"{i}.input_ids"``, ``"{i}.loss_mask"`` (1 on response tokens) and ``"{i}.aux"`` for its i-th sequence
@@ -483,13 +519,13 @@ def extract_hidden_states(
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
     if shard_sequences < 1 or batch_size < 1:
         raise ValueError("shard_sequences and batch_size must be >= 1")
-    _, layers, _ = decoder_parts(model)
-    ids = check_aux_layer_ids(aux_layer_ids, len(layers))
+    source = model if isinstance(model, AuxSource) else ModelAuxSource(model, device)
+    ids = check_aux_layer_ids(aux_layer_ids, source.num_layers)
     samples = read_samples(samples_path)
     if not samples:
         raise ValueError(f"no samples in {samples_path}")
-    dev = torch.device(device) if device is not None else next(model.parameters()).device
-    hidden_size = int(model.config.hidden_size)
+    dev = source.device
+    hidden_size = source.hidden_size
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     mpath = out / MANIFEST
@@ -498,7 +534,7 @@ def extract_hidden_states(
         "hidden_size": hidden_size,
         "dtype": dtype,
         "samples_sha256": provenance.sha256_file(samples_path),
-        "target_weights": provenance.model_fingerprint(model),
+        "target_weights": source.fingerprint(),
     }
     fresh = {
         **made_from,
@@ -534,7 +570,7 @@ def extract_hidden_states(
     writer = _ShardWriter(out, manifest, len(shards))
     try:
         for j in range(start, stop):
-            shard = _compute_shard(model, j, shards[j], ids, dev, batch_size, out_dtype, copy_stream, bar)
+            shard = _compute_shard(source, j, shards[j], ids, batch_size, out_dtype, copy_stream, bar)
             writer.submit(shard)
         writer.finish()
     except BaseException:  # KeyboardInterrupt too: leave the manifest listing only shards on disk
