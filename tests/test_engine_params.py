@@ -128,3 +128,12 @@ def test_wall_times_follow_one_warm_up_per_engine_start(tiny_target, monkeypatch
     calls.clear()
     eng.speculative_generate(prompts, tiny_target, 3, 4, per_prompt=False)  # a new engine: warm-up again
     assert calls[:3] == [("run", 8), ("metrics", 0), ("run", 20)]
+
+
+def test_extraction_engine_is_offline_with_its_extra_options(tiny_target, tmp_path) -> None:
+    p = _profile(**{"engine.mode": "served"})
+    eng = E.engine_from_params(p, tiny_target, log_dir=tmp_path, offline=True,
+                               extra={"enable_prefix_caching": False, "max_num_batched_tokens": 2048})
+    assert isinstance(eng, E.VllmEngine)  # apply_model needs the offline engine, whatever the profile serves with
+    assert eng.options["enable_prefix_caching"] is False and eng.options["max_num_batched_tokens"] == 2048
+    assert json.loads(eng.patch_env["EAGLE3LAB_PATCH"])["legacy_simulation"] is True

@@ -585,8 +585,15 @@ def make_engine(kind: str, target_path: str | Path, device: str = "auto", dtype:
     raise ValueError(f"engine.kind {kind!r}: expected 'reference' or 'vllm'")
 
 
-def engine_from_params(params: Any, target_path: str | Path, log_dir: str | Path | None = None) -> Engine:
-    """The engine a profile asks for, with every engine parameter honoured and the patch env attached."""
+def engine_from_params(
+    params: Any, target_path: str | Path, log_dir: str | Path | None = None, offline: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> Engine:
+    """The engine a profile asks for, with every engine parameter honoured and the patch env attached.
+
+    ``offline`` builds the offline vLLM engine even where the profile serves (for work that needs
+    ``LLM.apply_model``); ``extra`` adds vLLM engine arguments to the offline engine.
+    """
     from eagle3lab.plugin import plugin_env
 
     e = params.engine
@@ -599,9 +606,13 @@ def engine_from_params(params: Any, target_path: str | Path, log_dir: str | Path
         trust_remote_code=params.target.trust_remote_code, seed=params.seed,
         patch_env=plugin_env(params.patch.apply, params.patch.force, params.patch.legacy_simulation),
     )  # fmt: skip
-    if e.mode == "offline" and log_dir is not None:
-        kw["log_dir"] = log_dir
-    if e.mode == "served":
+    mode = "offline" if offline else e.mode
+    if mode == "offline":
+        if log_dir is not None:
+            kw["log_dir"] = log_dir
+        if extra:
+            kw["extra"] = dict(extra)
+    if mode == "served":
         if log_dir is None:
             raise ValueError("engine.mode 'served' needs a log folder for the server's log (log_dir)")
         kw.update(mode="served", log_dir=log_dir)

@@ -137,3 +137,18 @@ class EngineAuxSource:
         if self._llm is not None:
             self._llm.apply_model(remove_aux_capture)
             self._llm = None
+
+
+def aux_source_from_params(
+    params: Any, target_path: str | Path, aux_layer_ids: list[int], work_dir: str | Path,
+    log_dir: str | Path | None = None,
+) -> EngineAuxSource:
+    """The profile's vLLM engine set up for extraction: offline (``apply_model``), prefix caching off, a whole
+    sequence in one prefill, and an untrained probe drafter in ``work_dir`` that names ``aux_layer_ids``."""
+    from eagle3lab.engine import engine_from_params, random_probe_drafter
+
+    max_len = int(params.engine.max_model_len)
+    engine = engine_from_params(params, target_path, log_dir=log_dir, offline=True,
+                                extra={"enable_prefix_caching": False, "max_num_batched_tokens": max(max_len, 2048)})
+    probe = random_probe_drafter(target_path, aux_layer_ids, work_dir)
+    return EngineAuxSource(engine, probe)
