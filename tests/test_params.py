@@ -46,6 +46,7 @@ def test_kimi_profile_needs_the_users_checkpoint(tmp_path):
     assert p.engine.tensor_parallel_size == 8
     assert p.target_num_layers() == 61
     assert p.resolved_aux_layer_ids() == [2, 30, 58]
+    assert p.data.extractor == "engine"  # 1T parameters: the aux states come from the TP-8 engine
 
 
 @pytest.mark.parametrize(
@@ -59,6 +60,8 @@ def test_kimi_profile_needs_the_users_checkpoint(tmp_path):
         ({"profile": "x", "drafter": {"aux_layer_ids": [3, 3, 5]}}, "drafter.aux_layer_ids", "duplicate"),
         ({"profile": "x", "drafter": {"aux_layer_ids": None}}, "drafter.aux_layer_ids", "collapses"),
         ({"profile": "x", "engine": {"tensor_parallel_size": 2}}, "engine.tensor_parallel_size", "vllm"),
+        ({"profile": "x", "data": {"extractor": "engine"}}, "data.extractor", "in-engine extraction needs"),
+        ({"profile": "x", "data": {"extractor": "hooks"}}, "data.extractor", "transformers"),
     ],
 )
 def test_bad_values_name_file_field_and_reason(tmp_path, data, field, words):

@@ -201,6 +201,9 @@ class DataParams(_Strict):
     batch_size: int = Field(16, ge=1)
     shard_sequences: int = Field(64, ge=1)
     hidden_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Where 03 gets the aux states: "transformers" loads the target on one device; "engine" captures them
+    # inside the vLLM engine that serves it (any tensor-parallel size: Kimi-K2.5), see eagle3lab.engine_capture.
+    extractor: Literal["transformers", "engine"] = "transformers"
 
 
 class DrafterParams(_Strict):
@@ -305,6 +308,8 @@ class Params(_Strict):
                 problems.append(("target.path", f"no config.json in {t.path}"))
         if self.engine.tensor_parallel_size > 1 and self.engine.kind != "vllm":
             problems.append(("engine.tensor_parallel_size", "tensor parallelism needs engine.kind 'vllm'"))
+        if self.data.extractor == "engine" and self.engine.kind != "vllm":
+            problems.append(("data.extractor", "in-engine extraction needs engine.kind 'vllm'"))
         if self.data.prompts_file is not None and not Path(self.data.prompts_file).is_file():
             problems.append(("data.prompts_file", f"file does not exist: {self.data.prompts_file}"))
         elif self.data.prompts_file is not None:
