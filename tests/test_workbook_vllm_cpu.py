@@ -60,6 +60,7 @@ def test_smoke_workbook_on_vllm_cpu(tmp_path):
     assert any(w["eagle3lab_forward"] and w["supports_eagle3"] for w in workers), workers
     # 03: the training data came from vLLM.
     assert m["03_engine"]["data.engine"] == "vllm"
+    assert m["03_engine"]["hidden.extractor"].startswith("vLLM engine")  # the aux states came from the engine too
     # 05: vLLM's spec-decode counters agree with the reference decoder, per position.
     acc = m["05_acceptance"]
     k = yaml.safe_load(PROFILE.read_text())["acceptance"]["num_speculative_tokens"]
