@@ -216,3 +216,9 @@ def test_cli_failure_of_the_work_is_not_bad_input(tmp_path, monkeypatch, capsys)
 
     monkeypatch.setattr(runner, "run", bad_value)
     assert cli.main(["run"]) == 3  # a ValueError is not bad input unless it is an InputError
+
+
+def test_the_refused_env_name_is_the_plugins():
+    from eagle3lab import plugin
+
+    assert params.PATCH_ENV_VAR == plugin.ENV_VAR

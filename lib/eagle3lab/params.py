@@ -31,7 +31,10 @@ from pydantic import (
 from eagle3lab.aux_layers import aux_id_problems, default_aux_layer_ids
 from eagle3lab.errors import InputError
 from eagle3lab.paths import repo_root, resolve_in_repo
-from eagle3lab.plugin import ENV_VAR as PATCH_ENV_VAR
+
+# plugin.ENV_VAR (the patch's own variable). Spelled out here because the config layer imports nothing above
+# it; tests/test_params.py checks that the two agree.
+PATCH_ENV_VAR = "EAGLE3LAB_PATCH"
 
 
 class ParamsError(InputError):
