@@ -79,13 +79,14 @@ class EngineAuxSource:
     def __init__(self, engine: Any, probe_drafter: str | Path) -> None:
         import json
 
+        from eagle3lab.diagnose.target_info import read_json_config, text_config_of
+
         opts = engine.options
         if opts.get("enable_prefix_caching", True):
             raise ValueError("in-engine extraction needs enable_prefix_caching=False in the engine's options")
         self.engine = engine
         self.probe_drafter = Path(probe_drafter)
-        cfg = json.loads((engine.target_path / "config.json").read_text())
-        text = cfg.get("text_config", cfg)  # Kimi-K2.5 wraps its DeepSeek-V3 text model
+        text = text_config_of(read_json_config(engine.target_path)[0])  # Kimi-K2.5 wraps its DeepSeek-V3 text model
         self.hidden_size = int(text["hidden_size"])
         self.num_layers = int(text["num_hidden_layers"])
         self.device = torch.device("cpu")  # the states arrive on the CPU
