@@ -49,43 +49,6 @@ AUX_TOL = 0.0  # our forward does what vLLM's does, op for op: anything but equa
 
 
 # ---------------------------------------------------------------------------------------------------------
-# worker-side helpers (run inside vLLM's workers through LLM.apply_model; module-level so they pickle by name)
-
-
-def _install_aux_capture(model: Any) -> int:
-    """Wrap the top-level forward so that each multi-token forward (a prefill) keeps its aux states on CPU."""
-    import torch
-
-    model._e3_captured = []  # noqa: SLF001
-    original = model.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        out = original(*args, **kwargs)
-        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, tuple)) and out[1]:
-            aux = out[1]
-            if aux[0].shape[0] > 1:
-                model._e3_captured.append(torch.stack([a.detach().float().cpu() for a in aux], dim=1))  # noqa: SLF001
-        return out
-
-    model.forward = forward
-    return 1
-
-
-def _dump_aux_capture(model: Any, path: str) -> int:
-    import torch
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    caps = getattr(model, "_e3_captured", [])
-    if rank == 0:
-        torch.save(caps, path)
-    # back to the class's forward: the benchmarks that follow must not pay for the copies
-    model.__dict__.pop("forward", None)
-    model._e3_captured = []  # noqa: SLF001
-    return len(caps)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # child: one engine configuration
 
 
@@ -106,11 +69,22 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     res["engine_start_s"] = time.perf_counter() - t0
     res["workers"] = [r.__dict__ for r in eng.worker_reports()]
     if job.get("capture_aux"):
-        llm.apply_model(_install_aux_capture)
+        import torch
+
+        from eagle3lab.engine_capture import drain_aux_capture, install_aux_capture, remove_aux_capture
+
+        llm.apply_model(install_aux_capture)
         # one prompt at a time, one token each: every forward is one prompt's prefill
         for p in prompts[: job["capture_aux"]]:
             eng._run(llm, [p], eng._sampling(1, 0.0, 1.0, 0))  # noqa: SLF001
-        res["aux_captured"] = llm.apply_model(lambda m, path=job["aux_file"]: _dump_aux_capture(m, path))
+        caps = [c for c in llm.apply_model(drain_aux_capture) if c][0]  # rank 0's
+        n_aux = len(json.loads((Path(job["drafter"]) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"])
+        # multi-token forwards are the prefills; [tokens, n_aux, H] as float, as compared by _aux_compare
+        prefills = [c.float().unflatten(-1, (n_aux, -1)) for c in caps if c.shape[0] > 1]
+        torch.save(prefills, job["aux_file"])
+        res["aux_captured"] = [len(prefills)]
+        # back to the class's forward: the benchmarks that follow must not pay for the copies
+        llm.apply_model(remove_aux_capture)
     sp = eng._sampling(mt, 0.0, 1.0, 0, ignore_eos=True)  # noqa: SLF001
     from eagle3lab.acceptance import stats_from_vllm_metrics
 
@@ -143,7 +117,6 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None, timeout: float = 500) -> dict:
-    from eagle3lab.engine import refusal_in_log
     from eagle3lab.plugin import plugin_env
 
     env = {k: v for k, v in os.environ.items() if k != "EAGLE3LAB_PATCH"}
@@ -159,13 +132,10 @@ def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None,
                                 stderr=subprocess.STDOUT, timeout=timeout, start_new_session=True).returncode
         except subprocess.TimeoutExpired:
             rc = 124
-    text = log.read_text(errors="replace")
-    r = json.loads(js.read_text()) if rc == 0 and js.is_file() else {"name": name}
-    r["exit_code"] = rc
+    r = result_from_files(out_dir, name, rc)
     r["wall_s"] = time.perf_counter() - t0
-    r["refusal"] = refusal_in_log(text)
     if rc != 0:
-        r["log_tail"] = text[-3000:]
+        r["log_tail"] = log.read_text(errors="replace")[-3000:]
     print(f"{name}: exit {rc} in {r['wall_s']:.0f} s", flush=True)
     return r
 
