@@ -130,6 +130,30 @@ def test_wall_times_follow_one_warm_up_per_engine_start(tiny_target, monkeypatch
     assert calls[:3] == [("run", 8), ("metrics", 0), ("run", 20)]
 
 
+def test_engine_processes_are_spawned_with_their_output_in_the_log(tiny_target, tmp_path, monkeypatch) -> None:
+    """vLLM forks its engine core by default on a GPU host, and a forked child writes through the notebook
+    kernel's own stdout object (ipykernel forwards it to the page). The engine asks for spawn, and the child's
+    descriptors 1 and 2 point at the run's log while it starts."""
+    import os
+    import sys
+    import types
+
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    seen: dict[str, object] = {}
+
+    class FakeLLM:
+        def __init__(self, **kw: object) -> None:
+            seen["method"] = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+            os.write(1, b"engine core says hello\n")  # what an inheriting child process would write
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
+    eng = E.VllmEngine(tiny_target, log_dir=tmp_path)
+    eng.llm(None)
+    assert seen["method"] == "spawn"
+    assert "engine core says hello" in (tmp_path / "vllm-engine.log").read_text()
+    eng._llm = None  # nothing real to shut down
+
+
 def test_extraction_engine_is_offline_with_its_extra_options(tiny_target, tmp_path) -> None:
     p = _profile(**{"engine.mode": "served"})
     eng = E.engine_from_params(p, tiny_target, log_dir=tmp_path, offline=True,

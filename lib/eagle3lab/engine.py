@@ -340,6 +340,10 @@ class VllmEngine:
         os.environ.update(self.patch_env)
         # Our worker probes (describe_loaded_model) travel to the workers as pickled functions.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        # vLLM forks its engine core by default on a GPU host. A forked child inherits the notebook kernel's
+        # sys.stdout/sys.stderr objects, which ipykernel forwards to the page whatever fd 1 and 2 point at (seen
+        # on the H200: FlashInfer's autotuner lines on the 03/05 pages). A spawned one writes to the log file.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         kw = dict(self.options)
         if speculative_config is not None:
             kw["speculative_config"] = dict(speculative_config)
