@@ -20,11 +20,13 @@ suite ``tp`` (two GPUs): the legacy refusal at TP 2, the patch in both workers, 
 suite ``speed``: output tokens/s with and without EAGLE-3 (and our forward forced) at batch 1, 8, 32 on the run's
   target deepened to ``--layers`` layers (``target.deepen_target``: same tokens, a forward that dominates the
   drafter's); resumable over several device calls.
+suite ``extract``: hidden-state extraction (transformers, our hooks, shards on disk) against a plain prefill of the
+  same batches on the GPU.
 suite ``served``: ``vllm serve`` through ``serve.VllmServedEngine`` (baseline, then EAGLE-3 with the patch under
   the legacy simulation), and no GPU process left after the shutdown.
 
-Writes OUT_DIR/proofs.json, OUT_DIR/proofs.md (a table) and one log per engine; metric snapshots for the tests'
-fixtures go to OUT_DIR/fixtures/.
+Writes OUT_DIR/proofs.json and one log per engine (suite ``speed`` also OUT_DIR/speed.md, its table); metric
+snapshots for the tests' fixtures go to OUT_DIR/fixtures/.
 """
 
 from __future__ import annotations
@@ -432,6 +434,23 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int) 
     }
 
 
+def speed_table(res: dict[str, Any]) -> str:
+    """Suite ``speed``'s figures as a markdown table (output tokens/s per batch size, side by side)."""
+    rows = ["| batch | without EAGLE-3 | EAGLE-3 (vLLM's forward) | speedup | EAGLE-3 (our forward forced) | "
+            "forced / native |", "|---|---|---|---|---|---|"]
+    for b, base in res["baseline_tokens_per_s"].items():
+        nat, frc = res["eagle3_tokens_per_s"].get(b), res["forced_tokens_per_s"].get(b)
+        rows.append(f"| {b} | {base:,.0f} | {nat or 0:,.0f} | {res['speedup'].get(b, 0):.2f}x | {frc or 0:,.0f} | "
+                    f"{res['forced_vs_native_throughput'].get(b, 0):.3f} |")
+    tau = res.get("tau_k3")
+    note = f"Target deepened from {res['source_layers']} to {res['layers']} layers; tau at k=3: " + (
+        f"{tau:.3f}" if tau else "not measured")
+    if res.get("target_step_ms_b1") and res.get("eagle3_round_ms_b1"):
+        note += (f"; batch 1: target step {res['target_step_ms_b1']:.2f} ms, EAGLE-3 round "
+                 f"{res['eagle3_round_ms_b1']:.2f} ms, drafter/target step cost {res['drafter_to_target_step_cost']:.3f}")
+    return "\n".join(rows) + "\n\n" + note + ".\n"
+
+
 def suite_served(run_dir: Path, out: Path, n: int, mt: int, k: int) -> dict[str, Any]:
     """``vllm serve`` on the GPU through VllmServedEngine: baseline, then EAGLE-3 under the legacy simulation
     with the patch (through the plugin), then a clean shutdown with no process of the server left."""
@@ -473,7 +492,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir")
     ap.add_argument("out_dir")
-    ap.add_argument("--suite", choices=["single", "tp", "speed", "served"], default="single")
+    ap.add_argument("--suite", choices=["single", "tp", "speed", "extract", "served"], default="single")
     ap.add_argument("--layers", type=int, default=96, help="suite speed: layers of the deepened target")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -500,6 +519,10 @@ def main() -> int:
         res = suite_tp(run_dir, out, a.prompts, a.max_tokens, a.k, a.tp)
     elif a.suite == "speed":
         res = suite_speed(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers)
+        (out / "speed.md").write_text(speed_table(res))
+    elif a.suite == "extract":
+        aux_ids = json.loads((run_dir / "artifacts/drafter/config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+        res = {"extraction_vs_prefill": _extraction_bench(run_dir, aux_ids)}
     else:
         res = suite_served(run_dir, out, a.prompts, a.max_tokens, a.k)
     doc = {**head, **res}

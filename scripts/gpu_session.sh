@@ -12,9 +12,12 @@
 #   proofs     scripts/gpu_engine_proofs.py on that run (suite single)
 #   tp         scripts/gpu_engine_proofs.py --suite tp on that run (or on a carried run, .device-snap/run.tgz)
 #   speed      scripts/gpu_engine_proofs.py --suite speed (target deepened to LAYERS layers; resumable)
+#   extract    scripts/gpu_engine_proofs.py --suite extract (hidden-state extraction vs plain prefill)
 #   served     scripts/gpu_engine_proofs.py --suite served
 #   tests      the GPU-marked tests
 #   caches     tar the kernel caches into $OUT (carry them next time)
+# At the end everything under $OUT but caches.tgz is packed into $OUT/results.tgz: a device call returns at
+# most 8 files.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:/tmp/site2
@@ -78,6 +81,11 @@ speed)
       --layers "${LAYERS:-96}" --prompts 32 --max-tokens 64 > /tmp/speed/speed.txt 2>&1; tail -40 /tmp/speed/speed.txt
   rm -f /tmp/speed/*.pt; cp -r /tmp/speed "$OUT/speed"
   cd "$here";;
+extract)
+  run=$(ls -d /tmp/e3out/*/ | head -1)
+  cd /tmp/src && timeout 300 python3 scripts/gpu_engine_proofs.py "$run" "$OUT/extract" --suite extract \
+      > "$OUT/extract.txt" 2>&1; tail -20 "$OUT/extract.txt"
+  cd "$here";;
 served)
   run=$(ls -d /tmp/e3out/*/ | head -1)
   cd /tmp/src && bounded "${PROOF_TIMEOUT:-300}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/served" --suite served \
@@ -90,3 +98,5 @@ caches)
   tar -czf "$OUT/caches.tgz" /root/.triton/cache /root/.cache/flashinfer /root/.cache/vllm 2>/dev/null; ls -la "$OUT/caches.tgz";;
 *) echo "unknown step $step"; exit 2;;
 esac; done
+( cd "$OUT" && tar -czf /tmp/results.tgz --exclude=./caches.tgz . && find . -mindepth 1 ! -name caches.tgz -delete \
+  && mv /tmp/results.tgz results.tgz && ls -la )

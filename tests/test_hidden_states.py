@@ -46,6 +46,26 @@ def test_shapes_and_ascending_order(model):
     assert torch.equal(out.aux[..., h : 2 * h], single)
 
 
+def test_without_logits_the_forward_stops_at_the_last_aux_layer(model):
+    """Extraction needs no logits: the forward ends at the highest aux id's capture, with the same states."""
+    x = torch.randint(3, 320, (2, 9))
+    full = H.target_forward_with_aux(model, x, [1, 2])
+    reached: list[int] = []
+    hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: reached.append(i))
+             for i, layer in enumerate(model.model.layers)]
+    head = model.lm_head.register_forward_pre_hook(lambda m, a: reached.append(-1))
+    try:
+        short = H.target_forward_with_aux(model, x, [1, 2], logits=False)
+    finally:
+        for h in (*hooks, head):
+            h.remove()
+    assert short.logits is None and torch.equal(short.aux, full.aux)
+    assert reached == [0, 1, 2]  # layer 2's input is the last state wanted: no later layer, no LM head
+    n = model.config.num_hidden_layers  # the final norm's input: every layer runs, the head does not
+    assert torch.equal(H.target_forward_with_aux(model, x, [n], logits=False).aux,
+                       H.target_forward_with_aux(model, x, [n]).aux)
+
+
 def test_hand_computation_of_one_layer(model):
     # id 2 is the input of layer 2 = output of layer 1 applied to the id-1 state.
     x = torch.randint(3, 320, (1, 7))

@@ -46,7 +46,7 @@ AUX_AGREEMENT_TOL = 1e-4
 class TargetOutput:
     """One target forward: logits and the concatenated aux states."""
 
-    logits: torch.Tensor  # [B, T, V] float32
+    logits: torch.Tensor | None  # [B, T, V] float32; None when the forward stopped at the last aux layer
     aux: torch.Tensor  # [B, T, n_aux * H], aux states concatenated in ascending id order
     aux_layer_ids: list[int]  # sorted
 
@@ -86,16 +86,23 @@ def _first_tensor_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Te
     return hs
 
 
+class _AuxComplete(Exception):
+    """Raised by the last aux hook when the caller needs no logits: the rest of the forward is skipped."""
+
+
 def target_forward_with_aux(
     model: nn.Module,
     input_ids: torch.Tensor,
     aux_layer_ids: Sequence[int],
     attention_mask: torch.Tensor | None = None,
+    logits: bool = True,
 ) -> TargetOutput:
     """Run the target once (no grad) and return logits plus aux states in vLLM's id convention.
 
-    ``aux[..., j*H:(j+1)*H]`` is the state for the j-th smallest id. Raises ValueError for id 0, ids
-    above ``num_layers``, duplicates or an empty list.
+    ``aux[..., j*H:(j+1)*H]`` is the state for the j-th smallest id. With ``logits=False`` the forward stops
+    once the highest aux id is captured: extraction skips the layers above it and the LM head (whose
+    [B, T, vocab] output is the largest tensor of a prefill), and ``logits`` is None. Raises ValueError for id 0,
+    ids above ``num_layers``, duplicates or an empty list.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -107,6 +114,8 @@ def target_forward_with_aux(
     def make_hook(k: int):
         def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             captured[k] = _first_tensor_arg(args, kwargs).detach()
+            if not logits and k == ids[-1]:
+                raise _AuxComplete
 
         return hook
 
@@ -114,9 +123,12 @@ def target_forward_with_aux(
         (norm if k == num_layers else layers[k]).register_forward_pre_hook(make_hook(k), with_kwargs=True)
         for k in ids
     ]
+    out = None
     try:
         with torch.no_grad():
             out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    except _AuxComplete:
+        pass
     finally:
         for h in handles:
             h.remove()
@@ -124,7 +136,7 @@ def target_forward_with_aux(
     if missing:
         raise RuntimeError(f"aux capture: layers {missing} were not reached during the forward")
     aux = torch.cat([captured[k] for k in ids], dim=-1)
-    return TargetOutput(logits=out.logits.float(), aux=aux, aux_layer_ids=ids)
+    return TargetOutput(logits=out.logits.float() if out is not None else None, aux=aux, aux_layer_ids=ids)
 
 
 def _causal_additive_mask(
@@ -370,8 +382,8 @@ class ModelAuxSource:
 
     def aux_batch(self, seqs: list[list[int]], aux_layer_ids: list[int]) -> torch.Tensor:
         x, mask = _padded_batch(seqs)
-        res = target_forward_with_aux(self.model, x.to(self.device), aux_layer_ids, mask.to(self.device))
-        return res.aux  # the logits go with res: freed before the next forward
+        return target_forward_with_aux(self.model, x.to(self.device), aux_layer_ids, mask.to(self.device),
+                                       logits=False).aux
 
 
 def _compute_shard(
