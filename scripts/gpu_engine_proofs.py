@@ -376,23 +376,21 @@ def tp_summary(R: dict[str, dict], out: Path, tp: int) -> dict[str, Any]:
     }
 
 
-def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int) -> dict[str, Any]:
+def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, run: bool = True) -> dict[str, Any]:
     """Speedup where the target's forward dominates: the run's target deepened to ``layers`` layers.
 
     ``target.deepen_target`` appends layers with zero output projections: the same tokens and aux states as
     the trained target (so its trained drafter is accepted as before), at the compute of a deeper model.
     Each engine's result is kept in OUT (``<name>.result.json``) and not run again, so the suite can be
-    spread over several device calls.
+    spread over several device calls; with ``run`` False nothing runs, and the figures are rebuilt from the
+    kept results (an engine without one is reported as not run).
     """
     import tempfile
 
     from eagle3lab.target import deepen_target
 
     deep = Path(tempfile.gettempdir()) / f"eagle3lab-deep-{layers}"
-    t0 = time.perf_counter()
-    if not (deep / "config.json").is_file():
-        deepen_target(run_dir / "artifacts/target", deep, layers)
-    deepen_s = time.perf_counter() - t0
+    deepen_s = None
     prompts = _prompts(run_dir, n)
     dr = str(run_dir / "artifacts/drafter")
     base = {"target": str(deep), "prompts": prompts, "max_tokens": mt, "k": k, "bench": [1, 8, 32], "warmup": 3,
@@ -405,6 +403,13 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int) 
         if keep.is_file() and json.loads(keep.read_text()).get("exit_code") == 0:
             R[name] = json.loads(keep.read_text())
             continue
+        if not run:
+            R[name] = {"name": name, "exit_code": None, "not_run": True}
+            continue
+        if not (deep / "config.json").is_file():
+            t0 = time.perf_counter()
+            deepen_target(run_dir / "artifacts/target", deep, layers)
+            deepen_s = time.perf_counter() - t0
         R[name] = run_child({**base, "name": name, "options": opts, "drafter": drafter}, out, patch, timeout=540)
         keep.write_text(json.dumps(R[name], default=str))
     b0, bn, bf = (R[m].get("bench", {}) for m in ("speed-baseline", "speed-native", "speed-forced"))
@@ -417,12 +422,12 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int) 
         step["drafting_ms_per_round_b1"] = round_ms - step["target_step_ms_b1"]
         step["drafter_to_target_step_cost"] = (round_ms - step["target_step_ms_b1"]) / k / step["target_step_ms_b1"]
     return {
-        "layers": layers, "deepen_seconds": deepen_s,
+        "layers": layers, "deepen_seconds": deepen_s, "not_run": [m for m, r in R.items() if r.get("not_run")],
         "source_layers": json.loads((run_dir / "artifacts/target/config.json").read_text())["num_hidden_layers"],
         "tau_k3": tau, "stats_native": st, "stats_forced": R["speed-forced"].get("stats"),
-        "counters_equal_forced_native": st == R["speed-forced"].get("stats"),
-        "outputs_equal_baseline_native": R["speed-baseline"].get("outputs") == R["speed-native"].get("outputs"),
-        "outputs_equal_native_forced": R["speed-native"].get("outputs") == R["speed-forced"].get("outputs"),
+        "counters_equal_forced_native": st == R["speed-forced"].get("stats") if "stats" in R["speed-forced"] else None,
+        "mismatching_prompts_baseline_native": _mismatches(R["speed-baseline"], R["speed-native"]),
+        "mismatching_prompts_native_forced": _mismatches(R["speed-native"], R["speed-forced"]),
         "baseline_tokens_per_s": {b: v["tokens_per_s"] for b, v in b0.items()},
         "eagle3_tokens_per_s": {b: v["tokens_per_s"] for b, v in bn.items()},
         "forced_tokens_per_s": {b: v["tokens_per_s"] for b, v in bf.items()},
@@ -434,14 +439,23 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int) 
     }
 
 
+def _mismatches(a: dict[str, Any], b: dict[str, Any]) -> int | None:
+    """Prompts whose outputs differ between two engines' results (None when either did not run)."""
+    oa, ob = a.get("outputs"), b.get("outputs")
+    return None if oa is None or ob is None else sum(x != y for x, y in zip(oa, ob, strict=True))
+
+
 def speed_table(res: dict[str, Any]) -> str:
     """Suite ``speed``'s figures as a markdown table (output tokens/s per batch size, side by side)."""
     rows = ["| batch | without EAGLE-3 | EAGLE-3 (vLLM's forward) | speedup | EAGLE-3 (our forward forced) | "
             "forced / native |", "|---|---|---|---|---|---|"]
+    def cell(x: float | None, spec: str) -> str:
+        return "not run" if x is None else format(x, spec)
+
     for b, base in res["baseline_tokens_per_s"].items():
-        nat, frc = res["eagle3_tokens_per_s"].get(b), res["forced_tokens_per_s"].get(b)
-        rows.append(f"| {b} | {base:,.0f} | {nat or 0:,.0f} | {res['speedup'].get(b, 0):.2f}x | {frc or 0:,.0f} | "
-                    f"{res['forced_vs_native_throughput'].get(b, 0):.3f} |")
+        rows.append(f"| {b} | {base:,.0f} | {cell(res['eagle3_tokens_per_s'].get(b), ',.0f')} | "
+                    f"{cell(res['speedup'].get(b), '.2f')}x | {cell(res['forced_tokens_per_s'].get(b), ',.0f')} | "
+                    f"{cell(res['forced_vs_native_throughput'].get(b), '.3f')} |")
     tau = res.get("tau_k3")
     note = f"Target deepened from {res['source_layers']} to {res['layers']} layers; tau at k=3: " + (
         f"{tau:.3f}" if tau else "not measured")
@@ -498,6 +512,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--no-run", action="store_true", help="suite speed: rebuild the figures from kept results only")
     a = ap.parse_args()
     run_dir, out = Path(a.run_dir), Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -513,12 +528,15 @@ def main() -> int:
         head["vllm"] = vllm.__version__
     except ImportError:
         pass
+    if a.no_run:  # the engines ran elsewhere (the kept results say what ran); this machine only did the sums
+        head = {"rebuilt_from_kept_results": {k: head.pop(k) for k in ("date", "host", "gpus", "torch", "vllm")
+                                              if k in head}, **head}
     if a.suite == "single":
         res = suite_single(run_dir, out, a.prompts, a.max_tokens, a.k)
     elif a.suite == "tp":
         res = suite_tp(run_dir, out, a.prompts, a.max_tokens, a.k, a.tp)
     elif a.suite == "speed":
-        res = suite_speed(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers)
+        res = suite_speed(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers, run=not a.no_run)
         (out / "speed.md").write_text(speed_table(res))
     elif a.suite == "extract":
         aux_ids = json.loads((run_dir / "artifacts/drafter/config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
