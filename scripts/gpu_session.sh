@@ -38,7 +38,7 @@ bounded() {
 copy_run() {
   local run; run=$(ls -d /tmp/e3out/*/ | head -1)
   mkdir -p "$OUT/workbook"
-  (cd "$run" && cp -r *.html *.js metrics.json metrics run.log params.yaml logs "$OUT/workbook/" 2>/dev/null)
+  (cd "$run" && cp -r *.html *.ipynb *.js metrics.json metrics run.log params.yaml logs "$OUT/workbook/" 2>/dev/null)
   (cd "$run/artifacts" && tar -czf "$OUT/workbook/small-artifacts.tgz" data/heldout_prompts.jsonl data/meta.json \
       acceptance drafter/config.json target/config.json 2>/dev/null)
 }

@@ -212,3 +212,15 @@ def test_run_log_gets_real_warnings_only(tmp_path):
     nb.cells[1].execution_count = 4
     nbformat.write(nb, str(path))
     assert runner.cell_warnings(path) == ["cell [4]: /x/y.py:3: UserWarning: the checkpoint has no generation_config"]
+
+
+def test_run_facts_read_as_text_on_the_index() -> None:
+    from eagle3lab.overview import run_fact
+
+    resumed = [{"at": "2026-12-01T18:14:38+00:00", "host": "vm", "rerun": ["02_patch", "03_engine"]},
+               {"at": "2026-12-01T18:20:00+00:00", "host": "vm", "rerun": ["05_acceptance"]}]
+    assert run_fact(resumed) == ("2026-12-01T18:14:38+00:00 on vm: ran again 02_patch, 03_engine; "
+                                 "2026-12-01T18:20:00+00:00 on vm: ran again 05_acceptance")
+    assert run_fact(["-p", "seed=1"]) == "-p seed=1"
+    assert run_fact([]) == "-"
+    assert run_fact("embedded") == "embedded"

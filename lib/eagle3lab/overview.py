@@ -42,6 +42,17 @@ class Group:
             self.rows.append(Row(label, value, context))
 
 
+def run_fact(value: Any) -> str:
+    """One value of the run's facts as the index page shows it: lists space-separated, a resumption as when,
+    where and which steps ran again (not a Python dict)."""
+    if isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+        return "; ".join(f"{x.get('at', '?')} on {x.get('host', '?')}: ran again " + ", ".join(x.get("rerun") or ["-"])
+                         for x in value)
+    if isinstance(value, list):
+        return " ".join(map(str, value)) or "-"
+    return str(value)
+
+
 def merged(metrics: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """All notebooks' metrics in one dict (without the per-notebook conclusion and caveats)."""
     out: dict[str, Any] = {}
@@ -340,8 +351,7 @@ def index_html(
     groups = headline(m)
     fig = acceptance_figure(m)
     fig_html = figure_html(fig, include_plotlyjs=False) if fig is not None else ""
-    facts = "".join(f"<tr><td>{e(k)}</td><td>{e(v if not isinstance(v, list) else ' '.join(map(str, v)) or '-')}</td></tr>"
-                    for k, v in info.items())
+    facts = "".join(f"<tr><td>{e(k)}</td><td>{e(run_fact(v))}</td></tr>" for k, v in info.items())
     body = f"""<h1>{e(title)}</h1>
 {''.join(banners)}
 <h2>Steps</h2><table><tr><th>step</th><th>status</th><th>time</th><th>conclusion</th><th>pages</th></tr>
