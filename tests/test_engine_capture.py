@@ -30,7 +30,7 @@ from eagle3lab.plugin import plugin_env
 
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])
-    eng = VllmEngine(job["target"], dtype="float32", max_model_len=256, enforce_eager=True,
+    eng = VllmEngine(job["target"], dtype="float32", max_model_len=256, enforce_eager=True, attention_backend="CPU_MLA",
                      patch_env=plugin_env(True, False, True),  # legacy simulation + patch: our forward collects
                      extra={"enable_prefix_caching": False, "max_num_batched_tokens": 256})
     probe = random_probe_drafter(job["target"], job["ids"], Path(job["out"]) / "probe", draft_vocab_size=128)

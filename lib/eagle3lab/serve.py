@@ -66,6 +66,7 @@ class ServerSpec:
     trust_remote_code: bool = False
     dtype: str = "auto"
     seed: int = 0
+    attention_backend: str | None = None
     drafter_path: str | None = None
     num_speculative_tokens: int = 0
     extra_args: tuple[str, ...] = ()
@@ -106,6 +107,8 @@ def serve_args(spec: ServerSpec, port: int, host: str = HOST) -> list[str]:
         args.append("--enforce-eager")
     if spec.trust_remote_code:  # never implied: a profile states it
         args.append("--trust-remote-code")
+    if spec.attention_backend:
+        args += ["--attention-backend", spec.attention_backend]
     if spec.drafter_path is not None:
         args += ["--speculative-config", json.dumps(speculative_config(spec.drafter_path, spec.num_speculative_tokens))]
     return args + list(spec.extra_args)
@@ -473,6 +476,7 @@ class VllmServedEngine:
         trust_remote_code: bool = False,
         dtype: str = "auto",
         seed: int = 0,
+        attention_backend: str | None = None,
         served_model_name: str = "target",
         vllm_python: str | Path | None = None,
         startup_timeout_s: float = 900.0,
@@ -491,7 +495,7 @@ class VllmServedEngine:
             model=str(self.target_path), served_model_name=served_model_name,
             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, enforce_eager=enforce_eager, trust_remote_code=trust_remote_code,
-            dtype=dtype, seed=seed, extra_args=tuple(extra_args),
+            dtype=dtype, seed=seed, attention_backend=attention_backend, extra_args=tuple(extra_args),
         )  # fmt: skip
         self.vllm_python = vllm_python
         self.startup_timeout_s = startup_timeout_s
