@@ -21,7 +21,8 @@ suite ``speed``: output tokens/s with and without EAGLE-3 (and our forward force
   target deepened to ``--layers`` layers (``target.deepen_target``: same tokens, a forward that dominates the
   drafter's); resumable over several device calls.
 suite ``extract``: hidden-state extraction (transformers, our hooks, shards on disk) against a plain prefill of the
-  same batches on the GPU.
+  same batches on the GPU (``ratio``), and against the same forward that extraction runs, up to the highest aux
+  layer, without copies or writes (``ratio_to_aux_forward``: what the copies and writes cost).
 suite ``served``: ``vllm serve`` through ``serve.VllmServedEngine`` (baseline, then EAGLE-3 with the patch under
   the legacy simulation), and no GPU process left after the shutdown.
 
@@ -167,7 +168,7 @@ def _reference(run_dir: Path, prompts: list[list[int]], k: int, max_tokens: int)
     return out
 
 
-def _extraction_bench(run_dir: Path, aux_ids: list[int], n_samples: int = 256) -> dict[str, Any]:
+def _extraction_bench(run_dir: Path, aux_ids: list[int], n_samples: int = 256, device: str = "cuda") -> dict[str, Any]:
     """Hidden-state extraction (our hooks + shards on disk) vs a plain prefill of the same batches."""
     import tempfile
 
@@ -177,21 +178,22 @@ def _extraction_bench(run_dir: Path, aux_ids: list[int], n_samples: int = 256) -
     from eagle3lab.hidden_states import extract_hidden_states
     from eagle3lab.synthetic import read_samples, write_jsonl_atomic
 
-    eng = ReferenceEngine(run_dir / "artifacts/target", device="cuda", dtype="bfloat16")
+    eng = ReferenceEngine(run_dir / "artifacts/target", device=device, dtype="bfloat16")
     samples = read_samples(run_dir / "artifacts/data/samples.jsonl")[:n_samples]
     bs = 32
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)  # CPU: a smoke run
     with tempfile.TemporaryDirectory() as tmp:
         sp = write_jsonl_atomic(Path(tmp) / "samples.jsonl", samples)
         extract_hidden_states(eng.model, sp, aux_ids, Path(tmp) / "warm", shard_sequences=64, dtype="bfloat16",
                               batch_size=bs, progress=False, max_shards=1)
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         st = extract_hidden_states(eng.model, sp, aux_ids, Path(tmp) / "h", shard_sequences=64, dtype="bfloat16",
                                    batch_size=bs, progress=False)
-        torch.cuda.synchronize()
+        sync()
         ext_s = time.perf_counter() - t0
     seqs = [s["prompt_ids"] + s["output_ids"] for s in samples]
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     n_tok = 0
     with torch.no_grad():
@@ -203,12 +205,25 @@ def _extraction_bench(run_dir: Path, aux_ids: list[int], n_samples: int = 256) -
             for j, s in enumerate(chunk):
                 ids[j, :len(s)] = torch.tensor(s)
                 mask[j, :len(s)] = 1
-            eng.model(input_ids=ids.cuda(), attention_mask=mask.cuda(), use_cache=False)
+            eng.model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
             n_tok += int(mask.sum())
-    torch.cuda.synchronize()
+    sync()
     pre_s = time.perf_counter() - t0
-    return {"tokens": st.tokens, "extraction_tokens_per_s": st.tokens / ext_s, "prefill_tokens_per_s": n_tok / pre_s,
-            "ratio": (st.tokens / ext_s) / (n_tok / pre_s), "batch_size": bs, "samples": len(samples)}
+    # The same forward extraction runs (stopped at the highest aux layer, no LM head), with no copy to the host
+    # and no shard written: what extraction costs beyond the states' own compute.
+    from eagle3lab.hidden_states import ModelAuxSource
+
+    src = ModelAuxSource(eng.model)
+    sync()
+    t0 = time.perf_counter()
+    for i in range(0, len(seqs), bs):
+        src.aux_batch(seqs[i:i + bs], aux_ids)
+    sync()
+    fwd_s = time.perf_counter() - t0
+    ext, pre, fwd = st.tokens / ext_s, n_tok / pre_s, n_tok / fwd_s
+    return {"tokens": st.tokens, "extraction_tokens_per_s": ext, "prefill_tokens_per_s": pre,
+            "ratio": ext / pre, "aux_forward_tokens_per_s": fwd, "ratio_to_aux_forward": ext / fwd,
+            "batch_size": bs, "samples": len(samples)}
 
 
 def _aux_compare(a_file: Path, b_file: Path) -> dict[str, Any]:
@@ -512,6 +527,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--device", default="cuda", help="suite extract: where the target runs (cpu for a smoke run)")
     ap.add_argument("--no-run", action="store_true", help="suite speed: rebuild the figures from kept results only")
     a = ap.parse_args()
     run_dir, out = Path(a.run_dir), Path(a.out_dir)
@@ -540,7 +556,7 @@ def main() -> int:
         (out / "speed.md").write_text(speed_table(res))
     elif a.suite == "extract":
         aux_ids = json.loads((run_dir / "artifacts/drafter/config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
-        res = {"extraction_vs_prefill": _extraction_bench(run_dir, aux_ids)}
+        res = {"extraction_vs_prefill": _extraction_bench(run_dir, aux_ids, device=a.device)}
     else:
         res = suite_served(run_dir, out, a.prompts, a.max_tokens, a.k)
     doc = {**head, **res}
