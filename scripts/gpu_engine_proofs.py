@@ -391,14 +391,16 @@ def tp_summary(R: dict[str, dict], out: Path, tp: int) -> dict[str, Any]:
     }
 
 
-def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, run: bool = True) -> dict[str, Any]:
+def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, run: bool = True,
+                engines: tuple[str, ...] = ("baseline", "native", "forced")) -> dict[str, Any]:
     """Speedup where the target's forward dominates: the run's target deepened to ``layers`` layers.
 
     ``target.deepen_target`` appends layers with zero output projections: the same tokens and aux states as
     the trained target (so its trained drafter is accepted as before), at the compute of a deeper model.
     Each engine's result is kept in OUT (``<name>.result.json``) and not run again, so the suite can be
     spread over several device calls; with ``run`` False nothing runs, and the figures are rebuilt from the
-    kept results (an engine without one is reported as not run).
+    kept results (an engine without one is reported as not run). ``engines`` limits which engines run (a short
+    device budget); the others are reported as not run.
     """
     import tempfile
 
@@ -421,7 +423,7 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, 
         if keep.is_file() and json.loads(keep.read_text()).get("exit_code") == 0:
             R[name] = json.loads(keep.read_text())
             continue
-        if not run:
+        if not run or name.removeprefix("speed-") not in engines:
             R[name] = {"name": name, "exit_code": None, "not_run": True}
             continue
         if not (deep / "config.json").is_file():
@@ -531,6 +533,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--device", default="cuda", help="suite extract: where the target runs (cpu for a smoke run)")
+    ap.add_argument("--engines", default="baseline,native,forced", help="suite speed: the engines to run")
     ap.add_argument("--no-run", action="store_true", help="suite speed: rebuild the figures from kept results only")
     a = ap.parse_args()
     run_dir, out = Path(a.run_dir), Path(a.out_dir)
@@ -555,7 +558,8 @@ def main() -> int:
     elif a.suite == "tp":
         res = suite_tp(run_dir, out, a.prompts, a.max_tokens, a.k, a.tp)
     elif a.suite == "speed":
-        res = suite_speed(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers, run=not a.no_run)
+        res = suite_speed(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers, run=not a.no_run,
+                          engines=tuple(a.engines.split(",")))
         (out / "speed.md").write_text(speed_table(res))
     elif a.suite == "extract":
         aux_ids = json.loads((run_dir / "artifacts/drafter/config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
