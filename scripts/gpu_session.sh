@@ -54,7 +54,7 @@ setup)
 workbook)
   rm -rf /tmp/e3out
   cd /tmp/src && bounded "${WB_TIMEOUT:-560}" python3 -m eagle3lab run --params params/embedded-gpu.yaml \
-      --outputs /tmp/e3out --no-progress ${WB_UNTIL:+--until $WB_UNTIL} > "$OUT/workbook.txt" 2>&1
+      --outputs /tmp/e3out --no-progress ${WB_UNTIL:+--until $WB_UNTIL} ${WB_ONLY:+--only $WB_ONLY} > "$OUT/workbook.txt" 2>&1
   grep -v "Kernel is running over TCP" "$OUT/workbook.txt" | tail -20
   copy_run; cd "$here";;
 resume)
@@ -78,7 +78,7 @@ speed)
   run=$(ls -d /tmp/e3out/*/ | head -1)
   mkdir -p /tmp/speed
   cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" /tmp/speed --suite speed \
-      --layers "${LAYERS:-96}" --prompts 32 --max-tokens 64 > /tmp/speed/speed.txt 2>&1; tail -40 /tmp/speed/speed.txt
+      --layers "${LAYERS:-96}" --engines "${SPEED_ENGINES:-baseline,native,forced}" --prompts 32 --max-tokens 64 > /tmp/speed/speed.txt 2>&1; tail -40 /tmp/speed/speed.txt
   rm -f /tmp/speed/*.pt; cp -r /tmp/speed "$OUT/speed"
   cd "$here";;
 extract)
