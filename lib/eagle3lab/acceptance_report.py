@@ -1,0 +1,769 @@
+"""What 05_acceptance computes, shows, records and says, one section at a time.
+
+The notebook is the narrative: it calls these functions in order and displays what they return. Each
+section has a function that runs it (with the engine, the reference decoder or the drafter) and a result
+whose methods give the section's table rows, captions, sentences and metrics. Metrics are ``{key: value}``
+in the order 05 records them (``record`` writes them into the run). Timings travel as ``seconds`` dicts
+that the notebook merges into one table.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+
+from eagle3lab import acceptance as A
+from eagle3lab import repetition as R
+from eagle3lab.acceptance import PromptIntervals, SpecDecodeStats
+from eagle3lab.repetition import RepetitionStats
+
+RECORDS = A.RECORDS
+TRAIN_TEXT = "training responses (03)"
+EVAL_TEXT = "held-out greedy continuations"
+# Published anchors for the HumanEval table: different models, prompts and engines (DESIGN.md, reference numbers).
+PUBLISHED_TAU = (
+    ("published: Kimi-K2/K2.5 EAGLE-3 drafters, SGLang, 3 steps (MT-bench, GSM8K, HumanEval, MATH500)", "2.4 – 3.5"),
+    ("published: vLLM chain drafting, LLaMA-3.1-8B", "3.08 at k=4, 3.53 at k=7"),
+    ("published: EAGLE-3 paper, LLaMA-3.1-8B, MT-bench, tree drafting", "6.13 (tree)"),
+)
+
+
+def record(wb: Any, metrics: Mapping[str, Any]) -> None:
+    """Record every metric, in order, with ``wb.record`` (``wb``: a :class:`eagle3lab.workbook.Workbook`)."""
+    for key, value in metrics.items():
+        wb.record(key, value)
+
+
+def interval_text(iv: A.Interval, digits: int = 3) -> str:
+    """``value [lo, hi]`` with ``digits`` decimals."""
+    return f"{iv.value:.{digits}f} [{iv.lo:.{digits}f}, {iv.hi:.{digits}f}]"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inputs and the records file
+
+
+def heldout_prompts(path: Path, num_prompts: int) -> list[list[int]]:
+    """The first ``num_prompts`` held-out prompts (token ids) that 03 wrote."""
+    from eagle3lab.synthetic import read_jsonl
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no held-out prompts (run 03_engine first)")
+    return [r["prompt_ids"] for r in read_jsonl(path)][:num_prompts]
+
+
+def setup_rows(num_prompts: int, k: int, max_new_tokens: int, engine_kind: str, drafter_path: Path) -> dict[str, Any]:
+    """The table at the top of 05: what is measured, with which engine and drafter."""
+    return {"held-out prompts": num_prompts, "k (num_speculative_tokens)": k, "max_new_tokens": max_new_tokens,
+            "engine": engine_kind, "drafter": str(drafter_path)}
+
+
+@dataclass
+class Records:
+    """``acceptance/records.jsonl`` of one notebook run: every prompt's rounds, per configuration."""
+
+    path: Path
+    prompts: list[list[int]]
+    aux_layer_ids: list[int]  # the profile's drafter ("main")
+    tokenizer: Any = None
+
+    @classmethod
+    def fresh(cls, path: Path, prompts: Sequence[Sequence[int]], aux_layer_ids: Sequence[int],
+              tokenizer: Any = None) -> Records:
+        """A records file written afresh by this run (an older one is deleted)."""
+        path.unlink(missing_ok=True)
+        return cls(path, [list(p) for p in prompts], list(aux_layer_ids), tokenizer)
+
+    def add(self, traces: Sequence[Any] | None, *, k: int, temperature: float, split: str = "heldout",
+            prompts: Sequence[Sequence[int]] | None = None, drafter: str = "main",
+            aux_layer_ids: Sequence[int] | None = None, skip: Iterable[int] = ()) -> None:
+        """Append one record per trace (none for an engine that reports no traces)."""
+        if not traces:
+            return
+        A.write_records(self.path, A.records_for(
+            traces, self.prompts if prompts is None else prompts, split=split, drafter=drafter,
+            aux_layer_ids=self.aux_layer_ids if aux_layer_ids is None else aux_layer_ids, k=k,
+            temperature=temperature, tokenizer=self.tokenizer, skip=skip), append=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# speculative decoding with the engine
+
+
+@dataclass
+class EngineDecode:
+    """The engine's greedy and speculative (T=0) decoding of the first ``decoded`` prompts."""
+
+    decoded: int
+    greedy: list[list[int]]
+    spec: Any  # the engine's speculative result: outputs, stats, traces, per_prompt (and wall times, if any)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mismatch(self) -> list[int]:
+        """Indices of the prompts whose speculative output differs from the greedy one."""
+        return [i for i, (a, b) in enumerate(zip(self.greedy, self.spec.outputs, strict=True)) if a != b]
+
+    @property
+    def measured_speedup(self) -> float | None:
+        """Baseline over speculative wall time, when the engine reported both (start-up excluded)."""
+        base_s, spec_s = getattr(self.spec, "baseline_seconds", None), getattr(self.spec, "decode_seconds", None)
+        return base_s / spec_s if base_s and spec_s else None
+
+    def rows(self) -> dict[str, Any]:
+        """The decode table: outputs against greedy decoding, and the counters."""
+        mismatch, st = self.mismatch, self.spec.stats
+        return {"prompts decoded": self.decoded, "outputs equal greedy decoding": not mismatch,
+                "mismatching prompts": f"{len(mismatch)} of {self.decoded}"
+                + (f" (indices {mismatch[:10]})" if mismatch else ""),
+                "drafts (rounds)": st.num_drafts, "accepted tokens": st.num_accepted_tokens,
+                "τ": round(st.mean_acceptance_length, 3)}
+
+    def metrics(self) -> dict[str, Any]:
+        """``acceptance.outputs_match_greedy``, ``decoded_prompts``, ``decoded_stats`` (and the measured speedup)."""
+        out = {"acceptance.outputs_match_greedy": not self.mismatch, "acceptance.decoded_prompts": self.decoded,
+               "acceptance.decoded_stats": self.spec.stats.to_dict()}
+        if self.measured_speedup is not None:
+            out["acceptance.measured_speedup"] = self.measured_speedup
+        return out
+
+
+def decode_with_engine(engine: Any, prompts: Sequence[Sequence[int]], drafter_path: Path, k: int,
+                       max_new_tokens: int, decode_prompts: int | None) -> EngineDecode:
+    """Greedy, then speculative decoding at T=0 of the first ``decode_prompts`` prompts (None: all)."""
+    n = min(len(prompts), decode_prompts or len(prompts))
+    t0 = time.perf_counter()
+    greedy = engine.generate(prompts[:n], max_new_tokens)
+    spec = engine.speculative_generate(prompts[:n], drafter_path, k, max_new_tokens)
+    return EngineDecode(n, greedy, spec, {"decode T=0": time.perf_counter() - t0})
+
+
+@dataclass
+class SampledDecode:
+    """Speculative decoding with rejection sampling, per temperature, on the first ``prompts`` prompts."""
+
+    prompts: int
+    by_temperature: dict[float, Any]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def sample_with_engine(engine: Any, prompts: Sequence[Sequence[int]], drafter_path: Path, k: int,
+                       max_new_tokens: int, temperatures: Sequence[float], sampled_prompts: int,
+                       seed: int) -> SampledDecode:
+    """Speculative decoding at each temperature (each above 0: T=0 is always measured) with a seeded sampler."""
+    n = min(len(prompts), sampled_prompts)
+    out = SampledDecode(n, {})
+    for T in temperatures:
+        if T <= 0:
+            raise ValueError(f"acceptance.temperatures: {T} is not above 0 (temperature 0 is always measured)")
+        t0 = time.perf_counter()
+        out.by_temperature[T] = engine.speculative_generate(prompts[:n], drafter_path, k, max_new_tokens,
+                                                            temperature=T, seed=seed)
+        out.seconds[f"decode T={T:g}"] = time.perf_counter() - t0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the exact greedy replay on the reference decoder
+
+
+def reference_engine(engine: Any, *, target_source: str, target_path: Path, device: str, dtype: str,
+                     trust_remote_code: bool | None = None) -> Any | None:
+    """An engine with the target in-process: ``engine`` itself, or for an embedded target a reference engine
+    (after closing ``engine``: a vLLM engine holds the GPU); None for a checkpoint served by vLLM."""
+    if hasattr(engine, "model"):
+        return engine
+    if target_source != "embedded":
+        return None
+    from eagle3lab.engine import make_engine
+
+    getattr(engine, "close", lambda: None)()
+    return make_engine("reference", target_path, device, dtype, trust_remote_code=trust_remote_code)
+
+
+def num_target_layers(ref: Any | None) -> int | None:
+    """The in-process target's layer count (None without one)."""
+    return int(ref.model.config.num_hidden_layers) if ref is not None else None
+
+
+def k_values(k: int, max_k: int) -> list[int]:
+    """The k of the τ-against-k curve: 1 .. max(max_k, k)."""
+    return list(range(1, max(max_k, k) + 1))
+
+
+@dataclass
+class Replay:
+    """Greedy continuations of the held-out prompts and the drafter's rounds on them for every k."""
+
+    drafter: Any
+    continuations: list[Any]  # eagle3lab.speculate.Continuation
+    traces: dict[int, list[Any]]  # k -> one DecodeTrace per prompt
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def rows(self, ref: Any) -> dict[str, Any]:
+        """What was replayed, on which reference, in how long."""
+        s = self.seconds
+        return {"prompts replayed": len(self.continuations), "reference": f"transformers, {ref.model.dtype}, {ref.device}",
+                "seconds (continuations, replay)": f"{s['held-out continuations']:.1f}, {s['replay k=1..7']:.1f}"}
+
+    def per_prompt(self, k: int) -> list[SpecDecodeStats]:
+        """Each prompt's counters at ``k``."""
+        return [t.stats for t in self.traces[k]]
+
+
+def replay_heldout(ref: Any, drafter_path: Path, prompts: Sequence[Sequence[int]], ks: Sequence[int],
+                   max_new_tokens: int, layer_ids: Sequence[int]) -> Replay:
+    """Continue every prompt greedily (``max_new_tokens + max(ks)`` tokens, aux states of ``layer_ids``) and
+    replay the drafter at every k in ``ks``."""
+    from eagle3lab import speculate as SP
+    from eagle3lab.drafter import load_drafter
+
+    drafter = load_drafter(drafter_path, ref.device)
+    t0 = time.perf_counter()
+    conts = SP.greedy_continuations(ref, prompts, max_new_tokens + max(ks), layer_ids, batch_size=64)
+    t1 = time.perf_counter()
+    traces = SP.replay_drafter(drafter, conts, ks, max_new_tokens, ref.eos_token_id)
+    # The label names the default k range whatever ks is: it is the timing table's row name.
+    return Replay(drafter, conts, traces, {"held-out continuations": t1 - t0, "replay k=1..7": time.perf_counter() - t1})
+
+
+@dataclass
+class ReplayCheck:
+    """The replay against the engine's decoded prompts: equal counters (same decoder) or close rates."""
+
+    metrics: dict[str, Any]
+    note: str
+    rows: list[dict[str, Any]] | None = None  # engine vs reference, per position
+    caption: str | None = None
+
+
+def check_replay(traces: Sequence[Any], decode: EngineDecode, same_engine: bool, engine_kind: str) -> ReplayCheck:
+    """Compare the replay's first ``decode.decoded`` traces (at the decoded k) with what the engine decoded.
+
+    The same decoder must give equal counters prompt by prompt (counters, not rates: nan rates never compare
+    equal). A real engine runs its own kernels in the profile's dtype: close, not equal, within a tolerance.
+    """
+    spec = decode.spec
+    if same_engine:
+        same = [r.stats == s for r, s in zip(traces[: decode.decoded], spec.per_prompt or [], strict=False)]
+        return ReplayCheck({"acceptance.replay_matches_decoded": bool(same) and all(same)},
+                           f"The exact replay equals the decoder's counters on {sum(same)} of {len(same)} prompts.")
+    side = A.engine_vs_reference(spec.stats, sum(t.stats for t in traces[: decode.decoded]))
+    return ReplayCheck(
+        {"acceptance.engine_per_position": spec.stats.per_position_rate,
+         "acceptance.reference_per_position": [r["reference"] for r in side.rows[:-1]],
+         "acceptance.engine_reference_max_gap": side.max_gap,
+         "acceptance.engine_reference_agree": side.agree},
+        f"{engine_kind} and the reference decoder {'agree' if side.agree else 'DISAGREE'}: the largest gap "
+        f"between their per-position rates is {side.max_gap:.3f} (tolerance {side.tolerance}). The figures "
+        "below come from the reference's exact replay of all held-out prompts.",
+        side.rows,
+        f"acceptance per draft position on the same {decode.decoded} prompts and drafter: the {engine_kind} "
+        f"engine's counters vs the reference decoder; tolerance {side.tolerance}",
+    )
+
+
+def replay_skip(kk: int, k: int, decode: EngineDecode) -> range | tuple[()]:
+    """Prompt indices whose replay record to leave out at ``kk``: those the engine decoded at k (they keep their
+    decoded record, so there is one record per configuration and prompt)."""
+    return range(decode.decoded) if kk == k and decode.spec.traces else ()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# per draft position
+
+
+@dataclass
+class PositionSummary:
+    """Pooled acceptance at k over prompts, with 95% intervals, and the summed counters."""
+
+    k: int
+    intervals: PromptIntervals
+    total: SpecDecodeStats
+
+    @property
+    def tau(self) -> float:
+        """τ, the mean acceptance length."""
+        return self.intervals.tau.value
+
+    def caption(self) -> str:
+        """Caption of the per-position table."""
+        return f"{self.intervals.num_prompts} held-out prompts, k = {self.k}, temperature 0; [95% interval]"
+
+    def metrics(self) -> dict[str, Any]:
+        """τ, its interval, both rates per position and the counters."""
+        iv, total = self.intervals, self.total
+        return {"acceptance.k": self.k, "acceptance.mean_acceptance_length": self.tau,
+                "acceptance.tau_ci95": [iv.tau.lo, iv.tau.hi],
+                "acceptance.conditional_rate": [c.value for c in iv.conditional],
+                "acceptance.cumulative_rate": [c.value for c in iv.cumulative],
+                "acceptance.per_position_rate": [c.value for c in iv.cumulative],
+                "acceptance.draft_acceptance_rate": total.draft_acceptance_rate,
+                "acceptance.num_drafts": total.num_drafts, "acceptance.stats": total.to_dict()}
+
+    def note(self) -> str:
+        """τ against its ceiling, and how acceptance moves with the position."""
+        iv = self.intervals
+        return (f"τ = **{self.tau:.2f}** [{iv.tau.lo:.2f}, {iv.tau.hi:.2f}] of a possible {self.k + 1}. "
+                + A.position_trend(iv))
+
+    def figures(self) -> list[go.Figure]:
+        """Rates per position, τ per prompt, tokens per round."""
+        return [A.rates_figure(self.intervals), A.tau_distribution_figure({"held-out": self.intervals.per_prompt_tau}, self.k),
+                A.acceptance_length_figure(self.total)]
+
+    def conclusion(self, humaneval_tau: float | None, degenerate: bool) -> str:
+        """05's conclusion on the index page."""
+        iv = self.intervals
+        cond = [c.value for c in iv.conditional]
+        return (f"τ = {self.tau:.2f} [{iv.tau.lo:.2f}, {iv.tau.hi:.2f}] of a possible {self.k + 1} at k = {self.k} on "
+                f"{iv.num_prompts} held-out prompts; conditional acceptance {', '.join(f'{c:.2f}' for c in cond)}"
+                + (f"; HumanEval τ = {humaneval_tau:.2f}" if humaneval_tau is not None else "")
+                + ("; inflated by repetition" if degenerate else ""))
+
+
+def per_position(per_prompt: Sequence[SpecDecodeStats], k: int, seed: int) -> PositionSummary:
+    """Per-position summary of per-prompt counters (bootstrap seeded with ``seed``)."""
+    return PositionSummary(k, A.prompt_intervals(per_prompt, seed=seed), sum(per_prompt))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# τ against k, modelled speedup
+
+
+@dataclass
+class TauByK:
+    """τ at each k on the same prompts, and the speedup modelled from the drafter/target cost ratio."""
+
+    k: int
+    tau: float  # at k, from the per-position summary
+    curves: dict[str, dict[int, PromptIntervals]]
+    draft_seconds: float
+    target_seconds: float
+    cost_ratio: float
+    measured_speedup: float | None = None
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per k: τ with its interval and the modelled speedup."""
+        return [{"k": kk, "τ": interval_text(c.tau), "modelled speedup": round(A.modelled_speedup(c.tau.value, kk, self.cost_ratio), 2)}
+                for kk, c in self.curves["held-out"].items()]
+
+    def caption(self) -> str:
+        """The measured step costs behind the model."""
+        return (f"drafter step {self.draft_seconds * 1e3:.2f} ms, target decode step {self.target_seconds * 1e3:.2f} ms: "
+                f"c = {self.cost_ratio:.3f} (measured on this machine); speedup MODELLED")
+
+    def figure(self) -> go.Figure:
+        """τ against k with the ceiling k + 1."""
+        return A.tau_by_k_figure(self.curves)
+
+    def metrics(self) -> dict[str, Any]:
+        """τ per k, the cost ratio, the modelled speedup at k and per k."""
+        return {"acceptance.tau_by_k": {str(kk): c.tau.value for kk, c in self.curves["held-out"].items()},
+                "acceptance.cost_ratio": self.cost_ratio,
+                "acceptance.modelled_speedup": A.modelled_speedup(self.tau, self.k, self.cost_ratio),
+                "acceptance.modelled_speedup_by_k": {str(r["k"]): r["modelled speedup"] for r in self.rows()}}
+
+    def note(self) -> str:
+        """The modelled speedup at k, the model's best k, and the engine's measured speedup if any."""
+        best = max(self.rows(), key=lambda r: r["modelled speedup"])
+        return (f"Modelled speedup at k = {self.k}: **{A.modelled_speedup(self.tau, self.k, self.cost_ratio):.2f}×** "
+                f"(not measured); the model's best k here is {best['k']} ({best['modelled speedup']}×). "
+                + (f"Measured by the engine: **{self.measured_speedup:.2f}×**." if self.measured_speedup is not None else
+                   "No measured speedup: the reference decoder's wall time is not a measurement of speed (it "
+                   "recomputes every sequence), and no real engine reported wall times."))
+
+
+def tau_by_k(traces_by_k: Mapping[int, Sequence[Any]], k: int, tau: float, cost: tuple[float, float, float],
+             measured_speedup: float | None, seed: int) -> TauByK:
+    """τ per k from the replay's traces; ``cost``: (drafter step s, target step s, ratio), as
+    :func:`eagle3lab.speculate.forward_cost_ratio` measures them."""
+    curves = {"held-out": {kk: A.prompt_intervals([t.stats for t in traces], seed=seed) for kk, traces in traces_by_k.items()}}
+    return TauByK(k, tau, curves, cost[0], cost[1], cost[2], measured_speedup)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# temperature
+
+
+@dataclass
+class TemperatureSummary:
+    """τ and conditional rates at T = 0 and at each sampled temperature, on the same prompts."""
+
+    prompts: int
+    greedy: PromptIntervals
+    sampled: dict[float, PromptIntervals]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per temperature."""
+        def row(label: str, iv: PromptIntervals) -> dict[str, Any]:
+            return {"temperature": label, "prompts": self.prompts, "τ": interval_text(iv.tau),
+                    "conditional rates": ", ".join(f"{c.value:.2f}" for c in iv.conditional)}
+        return [row("0 (greedy)", self.greedy)] + [row(f"{T:g}", iv) for T, iv in self.sampled.items()]
+
+    def metrics(self) -> dict[str, Any]:
+        """τ at T=1 (when sampled) and τ per temperature."""
+        out: dict[str, Any] = {}
+        if 1.0 in self.sampled:
+            out["acceptance.tau_t1"] = self.sampled[1.0].tau.value
+        out["acceptance.tau_by_temperature"] = {"0": self.greedy.tau.value,
+                                                **{f"{T:g}": v.tau.value for T, v in self.sampled.items()}}
+        return out
+
+
+def temperature_summary(greedy_per_prompt: Sequence[SpecDecodeStats], sampled: SampledDecode,
+                        seed: int) -> TemperatureSummary:
+    """Intervals at T=0 (``greedy_per_prompt``: the sampled prompts' T=0 counters) and per sampled temperature."""
+    return TemperatureSummary(
+        sampled.prompts, A.prompt_intervals(greedy_per_prompt, seed=seed),
+        {T: A.prompt_intervals(res.per_prompt or [res.stats], seed=seed) for T, res in sampled.by_temperature.items()})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# token view
+
+
+def token_view_records(records: Sequence[Mapping[str, Any]], k: int) -> list[Mapping[str, Any]]:
+    """The records to show token by token: the T=0 prompt at k whose τ is closest to the median (decoded
+    records preferred), then the same prompt's sampled records at k."""
+    config = f"heldout/main/k{k}/T0"
+    t0_recs = ([r for r in records if r["config"] == config and r["source"] == "decoded"]
+               or [r for r in records if r["config"] == config])
+    med = statistics.median(A.stats_from_record(r).mean_acceptance_length for r in t0_recs)
+    chosen = min(t0_recs, key=lambda r: abs(A.stats_from_record(r).mean_acceptance_length - med))
+    return [chosen] + [r for r in records
+                       if r["prompt_index"] == chosen["prompt_index"] and r["temperature"] > 0 and r["k"] == k]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# repetition
+
+
+def generated(continuations: Sequence[Any], num_tokens: int) -> list[list[int]]:
+    """The first ``num_tokens`` generated tokens of each continuation (the prompt left out)."""
+    return [c.sequence[c.prompt_len:c.prompt_len + num_tokens] for c in continuations]
+
+
+def repetition_row(name: str, st: RepetitionStats) -> dict[str, Any]:
+    """One row of the repetition table."""
+    return {"text": name, "sequences": st.sequences, "tokens": st.tokens, "distinct tokens": st.distinct_tokens,
+            "distinct 4-grams": round(st.distinct_4gram, 3),
+            "distinct 4-grams within a sequence": round(st.distinct_4gram_within, 3),
+            "tokens in loops": round(st.loop_fraction, 3),
+            "longest loop (median, max)": f"{st.longest_loop_median:g}, {st.longest_loop_max}"}
+
+
+@dataclass
+class Repetition:
+    """Diversity of the training and evaluated text, the prompt-lookup baseline and EAGLE-3 in and out of loops.
+
+    Without an in-process target only the training text is measured (``ngram`` and the rest stay None).
+    """
+
+    k: int
+    stats: dict[str, RepetitionStats]
+    drafter: PositionSummary
+    ngram: PromptIntervals | None = None
+    in_loop: SpecDecodeStats | None = None
+    outside: SpecDecodeStats | None = None
+
+    @property
+    def reasons(self) -> list[str]:
+        """Why τ says more about repetition than about the drafter (empty: it does not, or cannot be told)."""
+        if self.ngram is None:
+            return []
+        return R.degeneracy_reasons(self.drafter.tau, self.ngram.tau.value, self.stats[EVAL_TEXT].loop_fraction)
+
+    @property
+    def degenerate(self) -> bool:
+        """Whether τ is inflated by repetition."""
+        return bool(self.reasons)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The repetition table: one row per text."""
+        return [repetition_row(name, st) for name, st in self.stats.items()]
+
+    def baseline_rows(self) -> list[dict[str, Any]] | None:
+        """EAGLE-3 against prompt lookup, and EAGLE-3's rounds in and out of loops (None without a replay)."""
+        if self.ngram is None or self.in_loop is None or self.outside is None:
+            return None
+        return [{"drafter": "EAGLE-3 (04)", "τ": interval_text(self.drafter.intervals.tau)},
+                {"drafter": "prompt lookup (no model)", "τ": interval_text(self.ngram.tau)},
+                {"drafter": "EAGLE-3, rounds starting inside a loop",
+                 "τ": f"{self.in_loop.mean_acceptance_length:.3f} ({self.in_loop.num_drafts} rounds)"},
+                {"drafter": "EAGLE-3, rounds starting outside loops",
+                 "τ": f"{self.outside.mean_acceptance_length:.3f} ({self.outside.num_drafts} rounds)"}]
+
+    def baseline_caption(self) -> str:
+        """Caption of the baseline table."""
+        return f"held-out prompts, k = {self.k}, temperature 0"
+
+    def metrics(self) -> dict[str, Any]:
+        """Diversity of the training (and evaluated) text, the baseline's τ, and the degeneracy verdict."""
+        train = self.stats[TRAIN_TEXT]
+        out: dict[str, Any] = {"acceptance.train_distinct_4gram": train.distinct_4gram,
+                               "acceptance.train_loop_fraction": train.loop_fraction}
+        if self.ngram is not None and self.in_loop is not None and self.outside is not None:
+            ev = self.stats[EVAL_TEXT]
+            out.update({
+                "acceptance.eval_distinct_4gram": ev.distinct_4gram, "acceptance.eval_loop_fraction": ev.loop_fraction,
+                "acceptance.eval_longest_loop": ev.longest_loop_median, "acceptance.ngram_tau": self.ngram.tau.value,
+                "acceptance.tau_in_loops": self.in_loop.mean_acceptance_length if self.in_loop.num_drafts else None,
+                "acceptance.tau_outside_loops": self.outside.mean_acceptance_length if self.outside.num_drafts else None,
+            })
+        out["acceptance.degenerate"] = self.degenerate
+        out["acceptance.degenerate_reason"] = "; ".join(self.reasons)
+        return out
+
+    def caveat(self) -> str | None:
+        """The caveat for the index page when τ is inflated by repetition, else None."""
+        if not self.degenerate:
+            return None
+        out = self.outside
+        return "τ is inflated by repetition: " + "; ".join(self.reasons) + ". " + (
+            f"The {out.num_drafts} rounds that start outside loops reach τ = {out.mean_acceptance_length:.2f}: "
+            "closer to what this drafter predicts." if out is not None and out.num_drafts else
+            "No round starts outside a loop, so this text cannot show what the drafter predicts beyond copying.")
+
+    def note(self) -> str | None:
+        """The sentence under the tables (None without a replay and without a caveat)."""
+        caveat = self.caveat()
+        if caveat is not None:
+            return "**" + caveat + "**"
+        if self.ngram is None:
+            return None
+        return (f"Repetition does not dominate: prompt lookup reaches τ = {self.ngram.tau.value:.2f}, "
+                f"{self.stats[EVAL_TEXT].loop_fraction:.0%} of evaluated tokens lie in loops.")
+
+
+def repetition(train_outputs: Sequence[Sequence[int]], drafter: PositionSummary, replay: Replay | None, k: int,
+               max_new_tokens: int, eos_token_id: int | None, seed: int) -> Repetition:
+    """Repetition of 03's responses and, with a replay, of the evaluated continuations, with the prompt-lookup
+    drafter replayed on them and EAGLE-3's rounds split by whether they start inside a loop."""
+    res = Repetition(k, {TRAIN_TEXT: R.repetition_stats(train_outputs)}, drafter)
+    if replay is None:
+        return res
+    from eagle3lab import speculate as SP
+
+    conts = replay.continuations
+    res.stats[EVAL_TEXT] = R.repetition_stats(generated(conts, max_new_tokens))
+    ngram = SP.replay_drafter(None, conts, [k], max_new_tokens, eos_token_id)[k]
+    res.ngram = A.prompt_intervals([t.stats for t in ngram], seed=seed)
+    res.in_loop, res.outside = R.split_rounds_by_loops([c.sequence for c in conts], [c.prompt_len for c in conts],
+                                                       replay.traces[k], k)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------
+# HumanEval
+
+
+@dataclass
+class HumanEval:
+    """HumanEval prompts through the same exact replay: the drafter, prompt lookup, and repetition."""
+
+    k: int
+    prompts: list[list[int]]
+    traces: list[Any]
+    drafter: PromptIntervals
+    ngram: PromptIntervals
+    repetition: RepetitionStats
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def rows(self, heldout: Repetition, heldout_prompts: int) -> list[dict[str, Any]]:
+        """HumanEval beside the held-out split (``heldout``: its repetition section, on ``heldout_prompts``
+        prompts) and published anchors."""
+        col = f"τ at k={self.k}"
+        if heldout.ngram is None:
+            raise ValueError("the held-out split has no prompt-lookup replay to compare with")
+        ev = heldout.stats[EVAL_TEXT]
+        return [{"prompts": f"held-out split ({heldout_prompts})", col: interval_text(heldout.drafter.intervals.tau, 2),
+                 "prompt lookup τ": f"{heldout.ngram.tau.value:.2f}", "tokens in loops": f"{ev.loop_fraction:.0%}"},
+                {"prompts": f"HumanEval ({len(self.prompts)})", col: interval_text(self.drafter.tau, 2),
+                 "prompt lookup τ": f"{self.ngram.tau.value:.2f}", "tokens in loops": f"{self.repetition.loop_fraction:.0%}"},
+                *({"prompts": name, col: value, "prompt lookup τ": "–", "tokens in loops": "–"}
+                  for name, value in PUBLISHED_TAU)]
+
+    def figure(self, heldout: PositionSummary) -> go.Figure:
+        """τ per prompt, held-out and HumanEval."""
+        return A.tau_distribution_figure({"held-out": heldout.intervals.per_prompt_tau,
+                                          "HumanEval": self.drafter.per_prompt_tau}, self.k)
+
+    def metrics(self) -> dict[str, Any]:
+        """τ with its interval, the prompt count, prompt lookup's τ and the loop share."""
+        return {"acceptance.humaneval_tau": self.drafter.tau.value,
+                "acceptance.humaneval_tau_ci95": [self.drafter.tau.lo, self.drafter.tau.hi],
+                "acceptance.humaneval_prompts": len(self.prompts),
+                "acceptance.humaneval_ngram_tau": self.ngram.tau.value,
+                "acceptance.humaneval_loop_fraction": self.repetition.loop_fraction}
+
+
+def humaneval(ref: Any, drafter: Any, tokenizer: Any, num_prompts: int, prompt_tokens: int, new_tokens: int, k: int,
+              layer_ids: Sequence[int], seed: int) -> HumanEval:
+    """Continue HumanEval prompts greedily and replay the drafter and prompt lookup on them at k."""
+    from eagle3lab import speculate as SP
+    from eagle3lab.synthetic import humaneval_prompts
+
+    t0 = time.perf_counter()
+    prompts = humaneval_prompts(tokenizer, num_prompts, prompt_tokens)
+    conts = SP.greedy_continuations(ref, prompts, new_tokens + k, layer_ids, batch_size=64)
+    traces = SP.replay_drafter(drafter, conts, [k], new_tokens, ref.eos_token_id)[k]
+    ngram = SP.replay_drafter(None, conts, [k], new_tokens, ref.eos_token_id)[k]
+    seconds = {"HumanEval": time.perf_counter() - t0}
+    return HumanEval(k, prompts, traces, A.prompt_intervals([t.stats for t in traces], seed=seed),
+                     A.prompt_intervals([t.stats for t in ngram], seed=seed),
+                     R.repetition_stats(generated(conts, new_tokens)), seconds)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# per target layer: all-layer states, probe, ablation
+
+
+def extract_all_layers(ref: Any, samples: Sequence[Mapping[str, Any]], layer_samples: int | None, folder: Path,
+                       target_path: Path, extraction_kw: Mapping[str, Any]) -> tuple[Any, dict[str, float]]:
+    """Every layer's aux states of the first ``layer_samples`` training samples (None: all), in ``folder``;
+    returns (dataset, seconds)."""
+    from eagle3lab import sweep as SW
+    from eagle3lab.synthetic import write_jsonl_atomic
+
+    t0 = time.perf_counter()
+    samples_file = folder / "samples.jsonl"
+    write_jsonl_atomic(samples_file, list(samples[: layer_samples or len(samples)]))
+    all_layers = SW.extract_all_layers(ref, samples_file, target_path, folder, **extraction_kw)
+    return all_layers, {"all-layer extraction": time.perf_counter() - t0}
+
+
+def probe(ref: Any, all_layers: Any, continuations: Sequence[Any], layer_ids: Sequence[int], num_layers: int,
+          probe_tokens: int, top_k: int, steps: int, seed: int) -> tuple[Any, dict[str, float]]:
+    """Logit lens and tuned lens per layer id: trained on states sampled from ``all_layers``, scored on the
+    continuations' generated positions. Returns (:class:`eagle3lab.probe.ProbeResult`, seconds)."""
+    import torch
+
+    from eagle3lab import probe as PR
+
+    t0 = time.perf_counter()
+    readout = PR.readout_from_model(ref.model)
+    h = all_layers.hidden_size
+    train_aux = PR.sample_states(all_layers, probe_tokens, seed)
+    tr_states, tr_labels = PR.states_and_labels(train_aux, layer_ids, h, readout, num_layers)
+    ev_states, ev_labels = PR.states_and_labels(torch.cat([c.aux[c.prompt_len:] for c in continuations]), layer_ids,
+                                                h, readout, num_layers)
+    res = PR.probe_layers(layer_ids, tr_states, tr_labels, ev_states, ev_labels, readout, top_k=top_k, steps=steps,
+                          batch_size=128, lr=3e-3, seed=seed)
+    return res, {"layer probe": time.perf_counter() - t0}
+
+
+def probe_rows(layer_ids: Sequence[int], res: Any) -> list[dict[str, Any]]:
+    """One row per layer id: logit-lens and tuned-lens agreement."""
+    return [{"aux id": i, "logit lens top-1": round(a, 3), "tuned lens top-1": round(b, 3),
+             f"tuned lens top-{res.top_k}": round(c, 3)}
+            for i, a, b, c in zip(layer_ids, res.lens_top1, res.tuned_top1, res.tuned_topk, strict=True)]
+
+
+def _before_final(layer_ids: Sequence[int], tuned_top1: Sequence[float], num_layers: int) -> list[tuple[float, int]]:
+    # The final state (id == num_layers) is what the target's head reads: the best layer is sought below it.
+    return [(v, i) for i, v in zip(layer_ids, tuned_top1, strict=True) if i < num_layers]
+
+
+def probe_metrics(layer_ids: Sequence[int], res: Any, num_layers: int) -> dict[str, Any]:
+    """Tuned top-1 / top-k and logit-lens top-1 per id, and the best id below the final state."""
+    below = _before_final(layer_ids, res.tuned_top1, num_layers)
+    return {"acceptance.probe_top1": {str(i): v for i, v in zip(layer_ids, res.tuned_top1, strict=True)},
+            "acceptance.probe_topk": {str(i): v for i, v in zip(layer_ids, res.tuned_topk, strict=True)},
+            "acceptance.probe_lens_top1": {str(i): v for i, v in zip(layer_ids, res.lens_top1, strict=True)},
+            "acceptance.probe_best_layer": max(below)[1] if below else num_layers}
+
+
+def probe_line(layer_ids: Sequence[int], res: Any, num_layers: int, aux_layer_ids: Sequence[int]) -> str:
+    """The probe's sentence in the closing section."""
+    v, i = max(_before_final(layer_ids, res.tuned_top1, num_layers))
+    by_id = ", ".join(f"id {j}: {t:.0%}" for j, t in zip(layer_ids, res.tuned_top1, strict=True))
+    return (f"**Probe:** tuned-lens agreement with the target's next token by layer: {by_id} (logit lens: "
+            + ", ".join(f"{t:.0%}" for t in res.lens_top1) + f"). The best state before the final one "
+            f"is id {i} ({v:.0%}); the drafter reads ids {list(aux_layer_ids)}.")
+
+
+@dataclass
+class Ablation:
+    """Drafters trained on other aux-layer sets with one budget, compared by τ on the same prompts."""
+
+    results: dict[str, tuple[list[int], PromptIntervals]]  # set name -> (ids, τ intervals)
+    rows_trained: list[dict[str, Any]]
+    skipped: list[dict[str, str]]  # set, why skipped
+    traces: list[tuple[list[int], list[Any]]] = field(default_factory=list)  # (ids, traces) per trained set
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Trained sets, then skipped ones with the reason."""
+        return self.rows_trained + [{"set": x["set"], "aux ids": "–", "τ": "skipped: " + x["why skipped"]}
+                                    for x in self.skipped]
+
+    def figure(self, num_layers: int) -> go.Figure:
+        """Which ids each set reads, and its τ."""
+        from eagle3lab.sweep import ablation_figure
+
+        return ablation_figure(self.results, num_layers, reference="profile")
+
+    def best(self) -> str:
+        """The set with the highest τ, as ``name [ids]``."""
+        name = max(self.results, key=lambda n: self.results[n][1].tau.value)
+        return f"{name} {self.results[name][0]}"
+
+    def metrics(self) -> dict[str, Any]:
+        """τ per set and the best set."""
+        return {"acceptance.ablation": {f"{n} {ids}": v.tau.value for n, (ids, v) in self.results.items()},
+                "acceptance.ablation_best": self.best()}
+
+    def line(self, ablation_steps: int, drafter_steps: Any) -> str:
+        """The ablation's sentence in the closing section (``drafter_steps``: 04's training steps, or '?')."""
+        ranked = sorted(self.results.items(), key=lambda kv: -kv[1][1].tau.value)
+        (bn, (bids, biv)), (wn, (wids, wiv)) = ranked[0], ranked[-1]
+        overlap = biv.tau.lo <= wiv.tau.hi
+        return (f"**Ablation:** best set {bn} {bids} (τ = {biv.tau.value:.2f} [{biv.tau.lo:.2f}, {biv.tau.hi:.2f}]), "
+                f"worst {wn} {wids} (τ = {wiv.tau.value:.2f} [{wiv.tau.lo:.2f}, {wiv.tau.hi:.2f}])"
+                + ("; their 95% intervals overlap, so with this budget the layer choice is not resolved." if overlap
+                   else "; the intervals do not overlap.") + f" All were trained {ablation_steps} steps (04's "
+                f"drafter: {drafter_steps}), so compare them with each other.")
+
+
+def ablation_from_results(trained: Sequence[tuple[Any, list[Any]]], sets: Sequence[Any], seed: int) -> Ablation:
+    """An :class:`Ablation` from :func:`eagle3lab.sweep.run_ablation`'s ``(result, traces)`` pairs and the sets."""
+    out = Ablation({}, [], [{"set": s.name, "why skipped": s.why} for s in sets if s.ids is None])
+    for res, traces in trained:
+        out.seconds[f"ablation {res.ids}"] = res.train_seconds
+        ivs = A.prompt_intervals(res.per_prompt, seed=seed)
+        out.results[res.name] = (res.ids, ivs)
+        out.rows_trained.append({"set": res.name, "aux ids": res.ids, "τ": interval_text(ivs.tau),
+                                 "train accuracy (pos 1)": round(res.train_accuracy[0], 3),
+                                 "seconds": round(res.train_seconds, 1)})
+        out.traces.append((res.ids, traces))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# closing
+
+
+def repetition_line(rep: Repetition, humaneval_tau: float | None) -> str:
+    """The repetition sentence in the closing section (needs the replay)."""
+    if rep.ngram is None:
+        raise ValueError("no prompt-lookup replay: the repetition sentence needs the held-out replay")
+    return (f"**Repetition:** prompt lookup alone reaches τ = {rep.ngram.tau.value:.2f} against the drafter's "
+            f"{rep.drafter.tau:.2f}; {rep.stats[EVAL_TEXT].loop_fraction:.0%} of evaluated tokens lie in loops"
+            + (f"; HumanEval gives τ = {humaneval_tau:.2f}." if humaneval_tau is not None else "."))
+
+
+def closing_note(lines: Sequence[str | None]) -> str:
+    """The closing section's paragraphs (None: a view that did not run)."""
+    return "\n\n".join(x for x in lines if x) or "No per-layer views ran."
+
+
+def timing_rows(timings: Mapping[str, float]) -> dict[str, float]:
+    """Seconds per step, one decimal."""
+    return {name: round(s, 1) for name, s in timings.items()}
