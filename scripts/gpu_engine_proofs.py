@@ -121,6 +121,7 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
 
 def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None, timeout: float = 500) -> dict:
     from eagle3lab.plugin import plugin_env
+    from eagle3lab.serve import run_in_group
 
     env = {k: v for k, v in os.environ.items() if k != "EAGLE3LAB_PATCH"}
     if patch is not None:
@@ -129,12 +130,10 @@ def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None,
     js, log = out_dir / f"{name}.json", out_dir / f"{name}.log"
     job = {**job, "out": str(js)}
     t0 = time.perf_counter()
-    with log.open("w") as fh:
-        try:
-            rc = subprocess.run([sys.executable, __file__, "--child", json.dumps(job)], env=env, stdout=fh,
-                                stderr=subprocess.STDOUT, timeout=timeout, start_new_session=True).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
+    log.write_text("")
+    # The engine child and its engine core die with this call, however it ends: on 2026-12-02 a child started
+    # with start_new_session outlived this script's time limit and broke the next call's engine start.
+    rc = run_in_group([sys.executable, __file__, "--child", json.dumps(job)], log, timeout_s=timeout, env=env)
     r = result_from_files(out_dir, name, rc)
     r["wall_s"] = time.perf_counter() - t0
     if rc != 0:

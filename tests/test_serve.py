@@ -33,6 +33,7 @@ from eagle3lab.serve import (
     VllmServedEngine,
     VllmServer,
     group_members,
+    run_in_group,
     serve_args,
     spec_decode_metrics,
     stats_from_metrics_text,
@@ -468,3 +469,74 @@ def test_probe_launch_on_vllm_cpu(tmp_path):
     w = served.workers[0]
     assert w.supports_eagle3 and w.eagle3lab_forward and w.aux_layers == [2, 3, 4]
     assert served.outputs and len(served.outputs[0]) == 8
+
+
+# -- run_in_group: a job (an engine child of scripts/gpu_engine_proofs.py, a 02 launch probe) that must not outlive
+# the call that started it, whatever ends that call.
+
+# The job: a helper process in the same group (as an engine core would be), its group id printed, then a long sleep.
+JOB = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(os.getpgid(0), flush=True)
+    time.sleep(float(sys.argv[1]))
+    sys.exit(int(sys.argv[2]))
+    """
+)
+
+
+def _job_pgid(log: Path, timeout_s: float = 20.0) -> int:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        first = log.read_text().split("\n")[0] if log.is_file() else ""
+        if first.strip().isdigit():
+            return int(first)
+        time.sleep(0.05)
+    raise AssertionError(f"the job never wrote its group id: {log.read_text() if log.is_file() else 'no log'}")
+
+
+def test_run_in_group_returns_the_exit_status(tmp_path):
+    log = tmp_path / "job.log"
+    assert run_in_group([sys.executable, "-c", JOB, "0", "3"], log, timeout_s=30, grace_s=2) == 3
+    assert wait_gone(_job_pgid(log), 5) == []  # the helper it left behind is stopped too
+
+
+def test_run_in_group_timeout_stops_the_whole_group(tmp_path):
+    log = tmp_path / "job.log"
+    t0 = time.monotonic()
+    assert run_in_group([sys.executable, "-c", JOB, "600", "0"], log, timeout_s=2, grace_s=2) == 124
+    assert time.monotonic() - t0 < 20
+    assert wait_gone(_job_pgid(log), 5) == []
+
+
+RUNNER = textwrap.dedent(
+    """
+    import sys
+    from eagle3lab.serve import run_in_group
+    run_in_group(sys.argv[3:], sys.argv[1], timeout_s=600, grace_s=2, die_with_parent=sys.argv[2] == "9")
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_run_in_group_job_dies_with_its_caller(tmp_path, sig):
+    """The caller of run_in_group is stopped from outside (a time limit's SIGTERM to it, or SIGKILL, where no
+    Python cleanup runs): the job's group goes too. On 2026-12-02 an engine child outlived its caller this way
+    and broke the next engine start on the GPU."""
+    log = tmp_path / "job.log"
+    caller = subprocess.Popen([sys.executable, "-c", RUNNER, str(log), str(int(sig)), sys.executable, "-c", JOB,
+                               "600", "0"])
+    pgid = None
+    try:
+        pgid = _job_pgid(log)
+        # the job and its helper, and with die_with_parent the guard that leads the group
+        assert len(group_members(pgid)) == (3 if sig == signal.SIGKILL else 2)
+        caller.send_signal(sig)
+        caller.wait(timeout=30)
+        assert wait_gone(pgid) == []
+    finally:
+        caller.kill()
+        caller.wait()
+        _kill_groups([pgid] if pgid else [])
+    assert caller.returncode == -sig

@@ -513,9 +513,10 @@ def probe_launch(
     """
     import json
     import os
-    import subprocess
     import sys
     import time
+
+    from eagle3lab.serve import run_in_group
 
     log_file = Path(log_file)
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -528,14 +529,11 @@ def probe_launch(
     env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3LAB_PATCH", "VLLM_LOGGING_CONFIG_PATH")}
     env.update(patch_env)
     t0 = time.perf_counter()
-    with log_file.open("w") as fh:
-        try:
-            rc = subprocess.run(
-                [str(python or sys.executable), "-m", "eagle3lab.engine", json.dumps(job)], env=env, stdout=fh,
-                stderr=subprocess.STDOUT, timeout=timeout_s, start_new_session=True,
-            ).returncode  # fmt: skip
-        except subprocess.TimeoutExpired:
-            rc = 124
+    log_file.write_text("")
+    # In a process group that is stopped however this call ends (timeout, Ctrl-C, the kernel killed): a
+    # launched engine core left behind would hold the GPU for the next launch.
+    rc = run_in_group([str(python or sys.executable), "-m", "eagle3lab.engine", json.dumps(job)], log_file,
+                      timeout_s=timeout_s, env=env)
     message = refusal_in_log(log_file.read_text(errors="replace"))
     res = json.loads(result_file.read_text()) if result_file.is_file() else {}
     patch = json.loads(patch_env.get("EAGLE3LAB_PATCH", "{}") or "{}")

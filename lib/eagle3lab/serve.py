@@ -180,7 +180,7 @@ def group_members(pgid: int) -> list[int]:
     return sorted(members)
 
 
-_LIVE: set[VllmServer] = set()
+_LIVE: set[VllmServer | _Group] = set()  # what the exit hooks stop
 _LIVE_LOCK = threading.Lock()
 _HOOKS_INSTALLED = False
 
@@ -347,23 +347,10 @@ class VllmServer:
         if self.proc is None or self.pgid is None:
             return
         pgid, proc = self.pgid, self.proc
-        deadline = time.monotonic() + self.shutdown_grace_s
-        _killpg(pgid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        while group_members(pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if group_members(pgid) or proc.poll() is None:
-            _killpg(pgid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
-            end = time.monotonic() + 10
-            while group_members(pgid) and time.monotonic() < end:
-                time.sleep(0.1)
+        left = stop_process_group(proc, pgid, self.shutdown_grace_s)
         with _LIVE_LOCK:
             _LIVE.discard(self)
         self.proc = None
-        left = group_members(pgid)
         if left:
             raise ServerError(f"processes of server group {pgid} survived SIGKILL: {left}")
 
@@ -394,6 +381,97 @@ class VllmServer:
 def _killpg(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
+
+
+def stop_process_group(proc: subprocess.Popen[Any], pgid: int, grace_s: float) -> list[int]:
+    """SIGTERM process group ``pgid`` (led by ``proc``), wait up to ``grace_s``, then SIGKILL what is left.
+
+    Returns the pids still alive after that (normally none).
+    """
+    deadline = time.monotonic() + grace_s
+    _killpg(pgid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if group_members(pgid) or proc.poll() is None:
+        _killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        end = time.monotonic() + 10
+        while group_members(pgid) and time.monotonic() < end:
+            time.sleep(0.1)
+    return group_members(pgid)
+
+
+# Runs as the leader of a run_in_group job: ask Linux for SIGTERM when the thread that started it dies, start the
+# job in the same group, and on SIGTERM (from there, or from stop_process_group) stop the whole group: a job's
+# own helpers (an engine core) may ignore the death of their parent, so the guard does not leave it to them.
+_GROUP_GUARD_EXEC = (
+    "import ctypes, os, signal, subprocess, sys, time\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "grace = float(sys.argv[2])\n"
+    "job = subprocess.Popen(sys.argv[3:])\n"
+    "def stop(signum, frame):\n"
+    "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "    os.killpg(0, signal.SIGTERM)\n"
+    "    try: job.wait(timeout=grace)\n"
+    "    except subprocess.TimeoutExpired: pass\n"
+    "    time.sleep(0.5)\n"
+    "    os.killpg(0, signal.SIGKILL)\n"
+    "signal.signal(signal.SIGTERM, stop)\n"
+    "rc = job.wait()\n"
+    "sys.exit(rc if rc >= 0 else 128 - rc)\n"
+)
+
+
+class _Group:
+    """A process group started by :func:`run_in_group`, stoppable by the same hooks as the servers."""
+
+    def __init__(self, proc: subprocess.Popen[Any], grace_s: float) -> None:
+        self.proc, self.grace_s = proc, grace_s
+
+    def stop(self) -> None:
+        stop_process_group(self.proc, self.proc.pid, self.grace_s)
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+
+
+def run_in_group(
+    argv: Sequence[str],
+    log_path: str | Path,
+    *,
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+    grace_s: float = 15.0,
+    die_with_parent: bool = True,
+) -> int:
+    """Run ``argv`` to completion in a process group of its own, output to ``log_path``; returns its exit
+    status (128 + N when the job died of signal N), or 124 when ``timeout_s`` passed.
+
+    Whatever way this call ends (normal exit, timeout, an exception, Ctrl-C, SIGTERM/SIGHUP to this process,
+    or this process killed outright, through ``PR_SET_PDEATHSIG``), the whole group is stopped before it
+    returns: a vLLM engine and its engine core must not outlive the script that started them, or they hold
+    the GPU (and upset vLLM's memory profiling) in the next engine's start. Seen on 2026-12-02: a child in its
+    own session outlived its parent's time limit and ran into the next device call.
+    """
+    _install_hooks()
+    die_with_parent = die_with_parent and sys.platform.startswith("linux")
+    full = ([sys.executable, "-c", _GROUP_GUARD_EXEC, str(os.getpid()), str(grace_s), *argv] if die_with_parent
+            else list(argv))
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(env) if env is not None else None, start_new_session=True)
+    group = _Group(proc, grace_s)
+    with _LIVE_LOCK:
+        _LIVE.add(group)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return 124
+    finally:
+        group.stop()
 
 
 # ----------------------------------------------------------------------------------------------------
