@@ -104,8 +104,9 @@ def test_decode_with_engine_counts_mismatches_and_records():
     assert rows["drafts (rounds)"] == 4 and rows["accepted tokens"] == 5 and rows["τ"] == 2.25
     m = dec.metrics()
     assert list(m) == ["acceptance.outputs_match_greedy", "acceptance.decoded_prompts", "acceptance.decoded_stats",
-                       "acceptance.measured_speedup"]
+                       "acceptance.mismatching_prompts", "acceptance.first_divergence", "acceptance.measured_speedup"]
     assert m["acceptance.outputs_match_greedy"] is False and m["acceptance.measured_speedup"] == 2.0
+    assert m["acceptance.mismatching_prompts"] == 1 and m["acceptance.first_divergence"] == {"1": 0}
     assert m["acceptance.decoded_stats"]["num_accepted_tokens"] == 5
 
 
@@ -115,6 +116,19 @@ def test_decode_all_prompts_when_unset_and_no_speedup_without_wall_times():
     assert dec.decoded == 2 and dec.mismatch == []
     assert dec.measured_speedup is None and "acceptance.measured_speedup" not in dec.metrics()
     assert dec.rows()["mismatching prompts"] == "0 of 2"
+    assert "first differing token (min / median / max)" not in dec.rows()
+    assert dec.metrics()["acceptance.first_divergence"] == {}
+
+
+def test_first_divergence_is_the_first_differing_token():
+    """Where a speculative output parts from the greedy one: a late near-tie and a bug look different here."""
+    greedy = [[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [1, 2]]
+    spec = [[5, 6, 9, 9], [5, 6, 7, 8], [4, 6, 7, 8], [1, 2, 3]]  # differs at 2, equal, at 0, longer (at 2)
+    per = [stats(1, [1])] * 4
+    dec = AR.decode_with_engine(FakeEngine(greedy, spec, per), [[0]] * 4, Path("d"), 1, 4, None)
+    assert dec.mismatch == [0, 2, 3]
+    assert dec.first_divergence == {0: 2, 2: 0, 3: 2}
+    assert dec.rows()["first differing token (min / median / max)"] == "0 / 2 / 2"
 
 
 def test_sample_with_engine_seeds_each_temperature_and_refuses_zero():

@@ -111,6 +111,19 @@ class EngineDecode:
         return [i for i, (a, b) in enumerate(zip(self.greedy, self.spec.outputs, strict=True)) if a != b]
 
     @property
+    def first_divergence(self) -> dict[int, int]:
+        """For each mismatching prompt, the index of the first output token that differs (or the shorter length).
+
+        Where the outputs part says what kind of mismatch it is: a bf16 near-tie flips one late token and the rest
+        follows from it, while a broken drafter path or patch would diverge at the first tokens of most prompts.
+        """
+        out = {}
+        for i in self.mismatch:
+            a, b = self.greedy[i], self.spec.outputs[i]
+            out[i] = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        return out
+
+    @property
     def measured_speedup(self) -> float | None:
         """Baseline over speculative wall time, when the engine reported both (start-up excluded)."""
         base_s, spec_s = getattr(self.spec, "baseline_seconds", None), getattr(self.spec, "decode_seconds", None)
@@ -122,13 +135,17 @@ class EngineDecode:
         return {"prompts decoded": self.decoded, "outputs equal greedy decoding": not mismatch,
                 "mismatching prompts": f"{len(mismatch)} of {self.decoded}"
                 + (f" (indices {mismatch[:10]})" if mismatch else ""),
+                **({"first differing token (min / median / max)": _spread(list(self.first_divergence.values()))}
+                   if mismatch else {}),
                 "drafts (rounds)": st.num_drafts, "accepted tokens": st.num_accepted_tokens,
                 "τ": round(st.mean_acceptance_length, 3)}
 
     def metrics(self) -> dict[str, Any]:
         """``acceptance.outputs_match_greedy``, ``decoded_prompts``, ``decoded_stats`` (and the measured speedup)."""
         out = {"acceptance.outputs_match_greedy": not self.mismatch, "acceptance.decoded_prompts": self.decoded,
-               "acceptance.decoded_stats": self.spec.stats.to_dict()}
+               "acceptance.decoded_stats": self.spec.stats.to_dict(),
+               "acceptance.mismatching_prompts": len(self.mismatch),
+               "acceptance.first_divergence": {str(i): j for i, j in self.first_divergence.items()}}
         if self.measured_speedup is not None:
             out["acceptance.measured_speedup"] = self.measured_speedup
         return out
@@ -142,6 +159,12 @@ def decode_with_engine(engine: Any, prompts: Sequence[Sequence[int]], drafter_pa
     greedy = engine.generate(prompts[:n], max_new_tokens)
     spec = engine.speculative_generate(prompts[:n], drafter_path, k, max_new_tokens)
     return EngineDecode(n, greedy, spec, {"decode T=0": time.perf_counter() - t0})
+
+
+def _spread(values: list[int]) -> str:
+    """``min / median / max`` of token positions."""
+    v = sorted(values)
+    return f"{v[0]} / {statistics.median(v):g} / {v[-1]}"
 
 
 @dataclass
