@@ -41,6 +41,11 @@ copy_run() {
   (cd "$run" && cp -r *.html *.ipynb *.js metrics.json metrics run.log params.yaml logs "$OUT/workbook/" 2>/dev/null)
   (cd "$run/artifacts" && tar -czf "$OUT/workbook/small-artifacts.tgz" data/heldout_prompts.jsonl data/meta.json \
       acceptance drafter/config.json target/config.json 2>/dev/null)
+  # A step cut by the call's limit leaves an executed-so-far notebook and no page: render it, named as partial.
+  for nb in "$OUT"/workbook/*.ipynb; do
+    [ -f "${nb%.ipynb}.html" ] || python3 -c "import sys; from eagle3lab.report import export_html as e; e(sys.argv[1], sys.argv[2])" \
+      "$nb" "${nb%.ipynb}-partial.html" 2>/dev/null || true
+  done
 }
 for step in "$@"; do case $step in
 setup)
