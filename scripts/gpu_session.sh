@@ -35,6 +35,17 @@ bounded() {
   wait "$pid"; local rc=$?
   kill "$guard" 2>/dev/null; return $rc
 }
+# The run the proof steps work on: this machine's workbook run, else a run carried in .device-snap/run.tgz (a run
+# made elsewhere, e.g. on the CPU: the proofs that need no trained GPU target then skip the workbook's 10 minutes).
+proof_run() {
+  local run; run=$(ls -d /tmp/e3out/*/ 2>/dev/null | head -1)
+  if [ -z "$run" ] && [ -f .device-snap/run.tgz ]; then
+    [ -d /tmp/cpurun/artifacts ] || { rm -rf /tmp/cpurun && mkdir -p /tmp/cpurun && tar -xzf .device-snap/run.tgz -C /tmp/cpurun; }
+    run=/tmp/cpurun
+  fi
+  [ -n "$run" ] || { echo "no run: run the workbook step first, or carry .device-snap/run.tgz" >&2; return 1; }
+  echo "$run"
+}
 copy_run() {
   local run; run=$(ls -d /tmp/e3out/*/ | head -1)
   mkdir -p "$OUT/workbook"
@@ -69,30 +80,29 @@ resume)
   grep -v "Kernel is running over TCP" "$OUT/resume.txt" | tail -20
   copy_run; cd "$here";;
 proofs)
-  run=$(ls -d /tmp/e3out/*/ | head -1)
+  run=$(proof_run) || continue
   cd /tmp/src && timeout "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/proofs" --prompts 32 --max-tokens 64 \
       2>&1 | tail -60
   cd "$here";;
 tp)
-  run=$(ls -d /tmp/e3out/*/ 2>/dev/null | head -1)
-  if [ -z "$run" ]; then rm -rf /tmp/cpurun && mkdir -p /tmp/cpurun && tar -xzf .device-snap/run.tgz -C /tmp/cpurun; run=/tmp/cpurun; fi
+  run=$(proof_run) || continue
   cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/tp" --suite tp \
       --tp 2 --prompts 32 --max-tokens 64 > "$OUT/tp.txt" 2>&1; tail -40 "$OUT/tp.txt"
   cd "$here";;
 speed)
-  run=$(ls -d /tmp/e3out/*/ | head -1)
+  run=$(proof_run) || continue
   mkdir -p /tmp/speed
   cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" /tmp/speed --suite speed \
       --layers "${LAYERS:-96}" --engines "${SPEED_ENGINES:-baseline,native,forced}" --prompts 32 --max-tokens 64 > /tmp/speed/speed.txt 2>&1; tail -40 /tmp/speed/speed.txt
   rm -f /tmp/speed/*.pt; cp -r /tmp/speed "$OUT/speed"
   cd "$here";;
 extract)
-  run=$(ls -d /tmp/e3out/*/ | head -1)
+  run=$(proof_run) || continue
   cd /tmp/src && timeout 300 python3 scripts/gpu_engine_proofs.py "$run" "$OUT/extract" --suite extract \
       > "$OUT/extract.txt" 2>&1; tail -20 "$OUT/extract.txt"
   cd "$here";;
 served)
-  run=$(ls -d /tmp/e3out/*/ | head -1)
+  run=$(proof_run) || continue
   cd /tmp/src && bounded "${PROOF_TIMEOUT:-300}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/served" --suite served \
       --prompts 16 --max-tokens 64 > "$OUT/served.txt" 2>&1; tail -30 "$OUT/served.txt"
   cd "$here";;
