@@ -10,12 +10,14 @@
 #   resume     eagle3lab run --resume on that run folder (a device call is limited to 10 minutes: a run that
 #              does not fit one call continues in the next, on the same warm machine)
 #   proofs     scripts/gpu_engine_proofs.py on that run (suite single)
-#   tp         scripts/gpu_engine_proofs.py --suite tp on that run (or on a carried run, .device-snap/run.tgz)
+#   tp         scripts/gpu_engine_proofs.py --suite tp on that run
 #   speed      scripts/gpu_engine_proofs.py --suite speed (target deepened to LAYERS layers; resumable)
 #   extract    scripts/gpu_engine_proofs.py --suite extract (hidden-state extraction vs plain prefill)
 #   served     scripts/gpu_engine_proofs.py --suite served
 #   tests      the GPU-marked tests
 #   caches     tar the kernel caches into $OUT (carry them next time)
+# The proof steps (proofs, tp, speed, extract, served) use a carried run (.device-snap/run.tgz) when this
+# machine has no workbook run.
 # At the end everything under $OUT but caches.tgz is packed into $OUT/results.tgz: a device call returns at
 # most 8 files.
 set -uo pipefail
