@@ -212,8 +212,11 @@ def test_sigterm_reaches_the_whole_group(tmp_path, standin):
 
 HARNESS = textwrap.dedent(
     """
-    import json, sys, time
+    import json, signal, sys, time
     from eagle3lab.serve import ServerSpec, VllmServer
+    # Ctrl-C as in a terminal: a test run started in the background (`cmd &` in a script) inherits SIGINT ignored,
+    # and Python then installs no KeyboardInterrupt handler; seen in a background CI run on 2026-12-02.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # PDEATHSIG only for the SIGKILL case: SIGINT and SIGTERM must be handled by Python-level cleanup.
     s = VllmServer(ServerSpec(model="m"), sys.argv[1], command=sys.argv[4:], shutdown_grace_s=5, poll_interval_s=0.1,
                    die_with_parent=sys.argv[3] == "9")
