@@ -130,7 +130,6 @@ def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None,
     js, log = out_dir / f"{name}.json", out_dir / f"{name}.log"
     job = {**job, "out": str(js)}
     t0 = time.perf_counter()
-    log.write_text("")
     # The engine child and its engine core die with this call, however it ends: on 2026-12-02 a child started
     # with start_new_session outlived this script's time limit and broke the next call's engine start.
     rc = run_in_group([sys.executable, __file__, "--child", json.dumps(job)], log, timeout_s=timeout, env=env)

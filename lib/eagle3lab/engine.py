@@ -529,7 +529,6 @@ def probe_launch(
     env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3LAB_PATCH", "VLLM_LOGGING_CONFIG_PATH")}
     env.update(patch_env)
     t0 = time.perf_counter()
-    log_file.write_text("")
     # In a process group that is stopped however this call ends (timeout, Ctrl-C, the kernel killed): a
     # launched engine core left behind would hold the GPU for the next launch.
     rc = run_in_group([str(python or sys.executable), "-m", "eagle3lab.engine", json.dumps(job)], log_file,

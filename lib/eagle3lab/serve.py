@@ -218,12 +218,12 @@ def _install_hooks() -> None:
 # Runs first in the server's process: ask Linux to SIGTERM it when the thread that started it dies, then
 # exec the real command. Catches the parent's SIGKILL (a notebook kernel killed hard), where no Python
 # cleanup runs. The parent pid is checked after prctl, in case the parent died in between.
-_PDEATHSIG_EXEC = (
-    "import ctypes, os, signal, sys\n"
+_PDEATHSIG_PRELUDE = (
+    "import ctypes, os, signal, subprocess, sys, time\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
     "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
+_PDEATHSIG_EXEC = _PDEATHSIG_PRELUDE + "os.execvp(sys.argv[2], sys.argv[2:])\n"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -407,10 +407,7 @@ def stop_process_group(proc: subprocess.Popen[Any], pgid: int, grace_s: float) -
 # Runs as the leader of a run_in_group job: ask Linux for SIGTERM when the thread that started it dies, start the
 # job in the same group, and on SIGTERM (from there, or from stop_process_group) stop the whole group: a job's
 # own helpers (an engine core) may ignore the death of their parent, so the guard does not leave it to them.
-_GROUP_GUARD_EXEC = (
-    "import ctypes, os, signal, subprocess, sys, time\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+_GROUP_GUARD_EXEC = _PDEATHSIG_PRELUDE + (
     "grace = float(sys.argv[2])\n"
     "job = subprocess.Popen(sys.argv[3:])\n"
     "def stop(signum, frame):\n"
@@ -447,8 +444,8 @@ def run_in_group(
     grace_s: float = 15.0,
     die_with_parent: bool = True,
 ) -> int:
-    """Run ``argv`` to completion in a process group of its own, output to ``log_path``; returns its exit
-    status (128 + N when the job died of signal N), or 124 when ``timeout_s`` passed.
+    """Run ``argv`` to completion in a process group of its own, output to ``log_path`` (written afresh);
+    returns its exit status (128 + N when the job died of signal N), or 124 when ``timeout_s`` passed.
 
     Whatever way this call ends (normal exit, timeout, an exception, Ctrl-C, SIGTERM/SIGHUP to this process,
     or this process killed outright, through ``PR_SET_PDEATHSIG``), the whole group is stopped before it
@@ -460,7 +457,7 @@ def run_in_group(
     die_with_parent = die_with_parent and sys.platform.startswith("linux")
     full = ([sys.executable, "-c", _GROUP_GUARD_EXEC, str(os.getpid()), str(grace_s), *argv] if die_with_parent
             else list(argv))
-    with open(log_path, "ab") as log:
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(env) if env is not None else None, start_new_session=True)
     group = _Group(proc, grace_s)
