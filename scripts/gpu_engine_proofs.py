@@ -166,8 +166,27 @@ def _reference(run_dir: Path, prompts: list[list[int]], k: int, max_tokens: int)
     return out
 
 
-def _extraction_bench(run_dir: Path, aux_ids: list[int], n_samples: int = 256, device: str = "cuda") -> dict[str, Any]:
-    """Hidden-state extraction (our hooks + shards on disk) vs a plain prefill of the same batches."""
+def profile_target(params_file: Path, run_dir: Path, dst: Path) -> tuple[Path, list[int]]:
+    """A target of a profile's embedded shapes with fresh (untrained) weights and the run's tokenizer, saved in
+    bf16 to ``dst``, and the profile's aux layer ids: extraction and prefill throughput depend on the shapes, not
+    on the weights, so a run made on a CPU can measure them at the GPU profile's size."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from eagle3lab import params as P
+    from eagle3lab import target as T
+
+    prm = P.load(params_file)
+    tok = AutoTokenizer.from_pretrained(run_dir / "artifacts/target")
+    model = T.build_model(T.make_config(prm.target.embedded, tok), seed=0).to(torch.bfloat16)
+    T.save_target(model, tok, dst)
+    return dst, list(prm.drafter.aux_layer_ids)
+
+
+def _extraction_bench(run_dir: Path, aux_ids: list[int], n_samples: int = 256, device: str = "cuda",
+                      target: Path | None = None) -> dict[str, Any]:
+    """Hidden-state extraction (our hooks + shards on disk) vs a plain prefill of the same batches (the run's
+    samples, on the run's target or on ``target``)."""
     import tempfile
 
     import torch
@@ -176,7 +195,7 @@ def _extraction_bench(run_dir: Path, aux_ids: list[int], n_samples: int = 256, d
     from eagle3lab.hidden_states import extract_hidden_states
     from eagle3lab.synthetic import read_samples, write_jsonl_atomic
 
-    eng = ReferenceEngine(run_dir / "artifacts/target", device=device, dtype="bfloat16")
+    eng = ReferenceEngine(target or run_dir / "artifacts/target", device=device, dtype="bfloat16")
     samples = read_samples(run_dir / "artifacts/data/samples.jsonl")[:n_samples]
     bs = 32
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)  # CPU: a smoke run
@@ -446,6 +465,8 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, 
         "counters_equal_forced_native": st == R["speed-forced"].get("stats") if "stats" in R["speed-forced"] else None,
         "mismatching_prompts_baseline_native": _mismatches(R["speed-baseline"], R["speed-native"]),
         "mismatching_prompts_native_forced": _mismatches(R["speed-native"], R["speed-forced"]),
+        "divergence_baseline_native": divergence_summary(run_dir, prompts, R["speed-baseline"].get("outputs"),
+                                                         R["speed-native"].get("outputs")),
         "baseline_tokens_per_s": {b: v["tokens_per_s"] for b, v in b0.items()},
         "eagle3_tokens_per_s": {b: v["tokens_per_s"] for b, v in bn.items()},
         "forced_tokens_per_s": {b: v["tokens_per_s"] for b, v in bf.items()},
@@ -455,6 +476,24 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, 
         "exit_codes": {m: r.get("exit_code") for m, r in R.items()},
         "engine_start_s": {m: r.get("engine_start_s") for m, r in R.items()},
     }
+
+
+def divergence_summary(run_dir: Path, prompts: list[list[int]], a: list[list[int]] | None,
+                       b: list[list[int]] | None) -> dict[str, Any] | None:
+    """Where two engines' outputs part, the float32 target's margin between the two tokens (the run's own
+    target: a deepened one computes the same logits). None when either did not run or nothing differs."""
+    if a is None or b is None or a == b:
+        return None
+    import torch
+
+    from eagle3lab import divergence as DV
+    from eagle3lab.target import load_target
+
+    model, _ = load_target(run_dir / "artifacts/target", "cuda" if torch.cuda.is_available() else "cpu", "float32")
+    out = DV.summarise(DV.divergence_margins(model, prompts, a, b), compared=len(prompts))
+    del model
+    torch.cuda.empty_cache()
+    return out
 
 
 def _mismatches(a: dict[str, Any], b: dict[str, Any]) -> int | None:
@@ -480,6 +519,11 @@ def speed_table(res: dict[str, Any]) -> str:
     if res.get("target_step_ms_b1") and res.get("eagle3_round_ms_b1"):
         note += (f"; batch 1: target step {res['target_step_ms_b1']:.2f} ms, EAGLE-3 round "
                  f"{res['eagle3_round_ms_b1']:.2f} ms, drafter/target step cost {res['drafter_to_target_step_cost']:.3f}")
+    dv = res.get("divergence_baseline_native")
+    if dv:
+        note += (f". Outputs with and without EAGLE-3 part on {dv['differing_at_a_token']} of {dv['compared']} prompts; "
+                 f"{dv['near_ties']} of them where the float32 target's two candidates lie within "
+                 f"{dv['ties_within_bf16_steps']:g} bf16 steps (largest margin {dv['largest_margin']:.4f})")
     return "\n".join(rows) + "\n\n" + note + ".\n"
 
 
@@ -505,6 +549,7 @@ def suite_served(run_dir: Path, out: Path, n: int, mt: int, k: int) -> dict[str,
     return {"seconds": time.perf_counter() - t0, "launches": launches, "prompts": len(prompts),
             "outputs_equal_baseline": spec.outputs == base,
             "mismatching_prompts": sum(a != b for a, b in zip(base, spec.outputs, strict=True)),
+            "divergence": divergence_summary(run_dir, prompts, base, spec.outputs),
             "stats": s.to_dict(), "tau": s.mean_acceptance_length,
             "gpu_processes_left_after_close": left}
 
@@ -531,6 +576,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--device", default="cuda", help="suite extract: where the target runs (cpu for a smoke run)")
+    ap.add_argument("--target-params", help="suite extract: measure on a fresh target of this profile's shapes")
     ap.add_argument("--engines", default="baseline,native,forced", help="suite speed: the engines to run")
     ap.add_argument("--no-run", action="store_true", help="suite speed: rebuild the figures from kept results only")
     a = ap.parse_args()
@@ -560,8 +606,20 @@ def main() -> int:
                           engines=tuple(a.engines.split(",")))
         (out / "speed.md").write_text(speed_table(res))
     elif a.suite == "extract":
-        aux_ids = json.loads((run_dir / "artifacts/drafter/config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
-        res = {"extraction_vs_prefill": _extraction_bench(run_dir, aux_ids, device=a.device)}
+        res = {}
+        if a.target_params:
+            tgt, aux_ids = profile_target(Path(a.target_params), run_dir, out / "profile-target")
+            res["target"] = {"params": a.target_params, "weights": "fresh (untrained): throughput only",
+                             "config": json.loads((tgt / "config.json").read_text())}
+        else:
+            tgt = None
+            aux_ids = json.loads((run_dir / "artifacts/drafter/config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+        res["aux_layer_ids"] = aux_ids
+        res["extraction_vs_prefill"] = _extraction_bench(run_dir, aux_ids, device=a.device, target=tgt)
+        if tgt is not None:
+            import shutil
+
+            shutil.rmtree(tgt)  # weights never travel back
     else:
         res = suite_served(run_dir, out, a.prompts, a.max_tokens, a.k)
     doc = {**head, **res}

@@ -379,3 +379,27 @@ def test_record_writes_in_order():
     seen = []
     AR.record(SimpleNamespace(record=lambda k, v: seen.append((k, v))), {"b": 1, "a": 2})
     assert seen == [("b", 1), ("a", 2)]
+
+
+def test_divergence_check_measures_the_parting_token_in_float32():
+    import torch
+
+    from eagle3lab import target as T
+    from test_hidden_states import _Tok
+
+    model = T.build_model(T.make_config(T.tiny_spec(), _Tok()), seed=0).eval().to(torch.bfloat16)
+    prompts = [[3, 7, 11], [9, 2, 4]]
+    greedy = [[5, 6, 7], [8, 9, 10]]
+    same = AR.EngineDecode(2, greedy, SimpleNamespace(outputs=[list(g) for g in greedy]))
+    assert AR.divergence_check(model, prompts, same) is None  # nothing to explain
+    dec = AR.EngineDecode(2, greedy, SimpleNamespace(outputs=[[5, 6, 7], [8, 3, 10]]))
+    check = AR.divergence_check(model, prompts, dec)
+    assert next(model.parameters()).dtype == torch.bfloat16  # the caller's model is left as it was
+    (row,) = check.rows
+    assert (row["prompt"], row["first differing token"], row["greedy's token"], row["speculative's token"]) == (1, 1, 9, 3)
+    with torch.no_grad():
+        logits = model.float()(input_ids=torch.tensor([[9, 2, 4, 8]])).logits[0, -1]
+    summ = check.metrics["acceptance.divergence"]
+    assert summ["differing_at_a_token"] == 1 and summ["first_positions"] == [1]
+    assert summ["largest_margin"] == pytest.approx(float((logits[9] - logits[3]).abs()), abs=1e-4)
+    assert "of 1 prompts" in check.note

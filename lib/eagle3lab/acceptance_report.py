@@ -258,7 +258,8 @@ def replay_heldout(ref: Any, drafter_path: Path, prompts: Sequence[Sequence[int]
 
 @dataclass
 class ReplayCheck:
-    """The replay against the engine's decoded prompts: equal counters (same decoder) or close rates."""
+    """A check against the engine's decoded prompts (the replay's counters or rates, the divergences): its
+    metrics, its sentence, and its table when it has one."""
 
     metrics: dict[str, Any]
     note: str
@@ -296,6 +297,41 @@ def replay_skip(kk: int, k: int, decode: EngineDecode) -> range | tuple[()]:
     """Prompt indices whose replay record to leave out at ``kk``: those the engine decoded at k (they keep their
     decoded record, so there is one record per configuration and prompt)."""
     return range(decode.decoded) if kk == k and decode.spec.traces else ()
+
+
+def divergence_check(model: Any, prompts: Sequence[Sequence[int]], decode: EngineDecode) -> ReplayCheck | None:
+    """Where each mismatching prompt's speculative output parts from greedy, the float32 target's logits of the
+    two tokens there (``divergence.divergence_margins``); None when every output equals greedy decoding.
+
+    ``model`` is the in-process target; a bf16 one is copied to float32 for this (the point is to look past
+    bf16's rounding).
+    """
+    import copy
+
+    import torch
+
+    from eagle3lab import divergence as DV
+
+    if not decode.mismatch:
+        return None
+    ref32 = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
+    n = decode.decoded
+    divs = DV.divergence_margins(ref32, prompts[:n], decode.greedy, decode.spec.outputs)
+    del ref32
+    summ = DV.summarise(divs, compared=n)
+    rows = [{"prompt": d.prompt, "first differing token": d.position, "greedy's token": d.token_a,
+             "speculative's token": d.token_b, "float32 logit margin": round(d.margin, 4),
+             "bf16 steps": round(d.margin / d.bf16_resolution, 2),
+             "float32 argmax is": "greedy's" if d.argmax == d.token_a else
+             ("speculative's" if d.argmax == d.token_b else "neither")} for d in divs]
+    text = (f"{summ['near_ties']} of {summ['differing_at_a_token']} prompts that part at a token part where the float32 "
+            f"target's two candidates lie within {summ['ties_within_bf16_steps']:g} bf16 steps of each other "
+            f"(largest margin {summ['largest_margin']:.4f}): "
+            + ("near-ties that bf16 cannot resolve, not a drafter or patch fault."
+               if summ["near_ties"] == summ["differing_at_a_token"] else
+               "the others part where the target is not tied: look at those prompts."))
+    return ReplayCheck({"acceptance.divergence": summ}, text, rows,
+                       "each mismatching prompt where it parts from greedy, and the float32 target's margin there")
 
 
 # ---------------------------------------------------------------------------------------------------------
