@@ -12,7 +12,8 @@
 #   proofs     scripts/gpu_engine_proofs.py on that run (suite single)
 #   tp         scripts/gpu_engine_proofs.py --suite tp on that run
 #   speed      scripts/gpu_engine_proofs.py --suite speed (target deepened to LAYERS layers; resumable)
-#   extract    scripts/gpu_engine_proofs.py --suite extract (hidden-state extraction vs plain prefill)
+#   extract    scripts/gpu_engine_proofs.py --suite extract (hidden-state extraction vs plain prefill; with
+#              EXTRACT_PARAMS=params/embedded-gpu.yaml on a fresh target of that profile's shapes)
 #   served     scripts/gpu_engine_proofs.py --suite served
 #   tests      the GPU-marked tests
 #   caches     tar the kernel caches into $OUT (carry them next time)
@@ -101,7 +102,7 @@ speed)
 extract)
   run=$(proof_run) || continue
   cd /tmp/src && timeout 300 python3 scripts/gpu_engine_proofs.py "$run" "$OUT/extract" --suite extract \
-      > "$OUT/extract.txt" 2>&1; tail -20 "$OUT/extract.txt"
+      ${EXTRACT_PARAMS:+--target-params $EXTRACT_PARAMS} > "$OUT/extract.txt" 2>&1; tail -20 "$OUT/extract.txt"
   cd "$here";;
 served)
   run=$(proof_run) || continue
