@@ -42,10 +42,11 @@ bounded() {
 # made elsewhere, e.g. on the CPU: the proofs that need no trained GPU target then skip the workbook's 10 minutes).
 proof_run() {
   local run; run=$(ls -d /tmp/e3out/*/ 2>/dev/null | head -1)
-  if [ -z "$run" ] && [ -f .device-snap/run.tgz ]; then
-    [ -d /tmp/cpurun/artifacts ] || { rm -rf /tmp/cpurun && mkdir -p /tmp/cpurun && tar -xzf .device-snap/run.tgz -C /tmp/cpurun; }
-    run=/tmp/cpurun
+  # carried once: later calls on the same warm machine find it unpacked and need not carry it again
+  if [ -z "$run" ] && [ ! -d /tmp/cpurun/artifacts ] && [ -f .device-snap/run.tgz ]; then
+    rm -rf /tmp/cpurun && mkdir -p /tmp/cpurun && tar -xzf .device-snap/run.tgz -C /tmp/cpurun
   fi
+  [ -z "$run" ] && [ -d /tmp/cpurun/artifacts ] && run=/tmp/cpurun
   [ -n "$run" ] || { echo "no run: run the workbook step first, or carry .device-snap/run.tgz" >&2; return 1; }
   echo "$run"
 }
