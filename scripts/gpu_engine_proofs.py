@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -108,12 +109,17 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
             for _ in range(job.get("warmup", 1)):  # warm-up at this batch size (graph capture, Triton JIT, caches)
                 eng._run(llm, batch, sp)  # noqa: SLF001
             t0 = time.perf_counter()
-            reps = 0
-            while reps < 3 or time.perf_counter() - t0 < job.get("min_seconds", 2.0):
+            times: list[float] = []
+            while len(times) < 3 or time.perf_counter() - t0 < job.get("min_seconds", 2.0):
+                t1 = time.perf_counter()
                 outs_b = eng._run(llm, batch, sp)  # noqa: SLF001
-                reps += 1
-            dt = (time.perf_counter() - t0) / reps
-            bench[str(b)] = {"tokens_per_s": sum(len(o) for o in outs_b) / dt, "seconds_per_batch": dt, "reps": reps}
+                times.append(time.perf_counter() - t1)
+            # the median repetition: a stall of the host (the engine core is CPU-bound at small sizes) moves the
+            # mean of a few repetitions by tens of percent, the median not
+            dt = statistics.median(times)
+            n_out = sum(len(o) for o in outs_b)
+            bench[str(b)] = {"tokens_per_s": n_out / dt, "seconds_per_batch": dt, "reps": len(times),
+                             "mean_tokens_per_s": n_out * len(times) / sum(times), "rep_seconds": times}
         res["bench"] = bench
     eng.close()
     return res
@@ -196,7 +202,10 @@ def _extraction_bench(run_dir: Path, aux_ids: list[int], n_samples: int = 256, d
     from eagle3lab.synthetic import read_samples, write_jsonl_atomic
 
     eng = ReferenceEngine(target or run_dir / "artifacts/target", device=device, dtype="bfloat16")
-    samples = read_samples(run_dir / "artifacts/data/samples.jsonl")[:n_samples]
+    have = read_samples(run_dir / "artifacts/data/samples.jsonl")
+    # More samples than the run has: the run's samples again, under new ids (throughput, not content, is measured;
+    # a few hundred samples take a fraction of a second on a GPU, where fixed costs would dominate).
+    samples = [{**have[i % len(have)], "id": i} for i in range(n_samples)]
     bs = 32
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)  # CPU: a smoke run
     with tempfile.TemporaryDirectory() as tmp:
@@ -576,6 +585,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--device", default="cuda", help="suite extract: where the target runs (cpu for a smoke run)")
+    ap.add_argument("--extract-samples", type=int, default=256, help="suite extract: sequences per measurement")
     ap.add_argument("--target-params", help="suite extract: measure on a fresh target of this profile's shapes")
     ap.add_argument("--engines", default="baseline,native,forced", help="suite speed: the engines to run")
     ap.add_argument("--no-run", action="store_true", help="suite speed: rebuild the figures from kept results only")
@@ -615,7 +625,8 @@ def main() -> int:
             tgt = None
             aux_ids = json.loads((run_dir / "artifacts/drafter/config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
         res["aux_layer_ids"] = aux_ids
-        res["extraction_vs_prefill"] = _extraction_bench(run_dir, aux_ids, device=a.device, target=tgt)
+        res["extraction_vs_prefill"] = _extraction_bench(run_dir, aux_ids, n_samples=a.extract_samples,
+                                                         device=a.device, target=tgt)
         if tgt is not None:
             import shutil
 

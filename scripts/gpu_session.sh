@@ -95,15 +95,15 @@ tp)
   cd "$here";;
 speed)
   run=$(proof_run) || continue
-  mkdir -p /tmp/speed
-  cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" /tmp/speed --suite speed \
-      --layers "${LAYERS:-96}" --engines "${SPEED_ENGINES:-baseline,native,forced}" --prompts 32 --max-tokens 64 > /tmp/speed/speed.txt 2>&1; tail -40 /tmp/speed/speed.txt
-  rm -f /tmp/speed/*.pt; cp -r /tmp/speed "$OUT/speed"
+  sd=${SPEED_DIR:-/tmp/speed}; mkdir -p "$sd"  # a fresh SPEED_DIR measures again; the same one resumes
+  cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" "$sd" --suite speed \
+      --layers "${LAYERS:-96}" --engines "${SPEED_ENGINES:-baseline,native,forced}" --prompts 32 --max-tokens 64 > "$sd/speed.txt" 2>&1; tail -40 "$sd/speed.txt"
+  rm -f "$sd"/*.pt; cp -r "$sd" "$OUT/$(basename "$sd")"
   cd "$here";;
 extract)
   run=$(proof_run) || continue
   cd /tmp/src && timeout 300 python3 scripts/gpu_engine_proofs.py "$run" "$OUT/extract" --suite extract \
-      ${EXTRACT_PARAMS:+--target-params $EXTRACT_PARAMS} > "$OUT/extract.txt" 2>&1; tail -20 "$OUT/extract.txt"
+      ${EXTRACT_PARAMS:+--target-params $EXTRACT_PARAMS} --extract-samples "${EXTRACT_SAMPLES:-256}" > "$OUT/extract.txt" 2>&1; tail -20 "$OUT/extract.txt"
   cd "$here";;
 served)
   run=$(proof_run) || continue
