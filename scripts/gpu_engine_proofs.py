@@ -425,11 +425,12 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, 
     the trained target (so its trained drafter is accepted as before), at the compute of a deeper model.
     Each engine's result is kept in OUT (``<name>.result.json``) and not run again, so the suite can be
     spread over several device calls; with ``run`` False nothing runs, and the figures are rebuilt from the
-    kept results (an engine without one is reported as not run). ``engines`` limits which engines run (a short
-    device budget); the others are reported as not run.
+    kept results. ``engines`` says which engines run, in order; a configuration named twice runs twice
+    (``native,forced,native,forced``: engine instances differ, see ``eagle3lab.speed``).
     """
     import tempfile
 
+    from eagle3lab import speed as SPD
     from eagle3lab.target import deepen_target
 
     deep = Path(tempfile.gettempdir()) / f"eagle3lab-deep-{layers}"
@@ -442,46 +443,33 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, 
     # and capturing graphs up to batch 512 for 96 layers took about 60 s of each engine's start on 2026-12-01.
     opts = {"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": 0.4, "max_model_len": 1024,
             "extra": {"max_num_seqs": 32}}
+    planned = SPD.instances(engines)
+    kept = sorted(f.name.removesuffix(".result.json") for f in out.glob("speed-*.result.json"))
     R: dict[str, dict] = {}
-    for name, drafter, patch in (("speed-baseline", None, None), ("speed-native", dr, PATCH["native"]),
-                                 ("speed-forced", dr, PATCH["forced"])):
+    for name in dict.fromkeys([nm for _, nm in planned] + kept):
         keep = out / f"{name}.result.json"
         if keep.is_file() and json.loads(keep.read_text()).get("exit_code") == 0:
             R[name] = json.loads(keep.read_text())
             continue
-        if not run or name.removeprefix("speed-") not in engines:
+        if not run or name not in {nm for _, nm in planned}:
             R[name] = {"name": name, "exit_code": None, "not_run": True}
             continue
         if not (deep / "config.json").is_file():
             t0 = time.perf_counter()
             deepen_target(run_dir / "artifacts/target", deep, layers)
             deepen_s = time.perf_counter() - t0
-        R[name] = run_child({**base, "name": name, "options": opts, "drafter": drafter}, out, patch, timeout=540)
+        kind = SPD.kind_of(name)
+        R[name] = run_child({**base, "name": name, "options": opts, "drafter": None if kind == "baseline" else dr}, out,
+                            None if kind == "baseline" else PATCH[kind], timeout=540)
         keep.write_text(json.dumps(R[name], default=str))
-    b0, bn, bf = (R[m].get("bench", {}) for m in ("speed-baseline", "speed-native", "speed-forced"))
-    st = R["speed-native"].get("stats")
-    tau = 1 + st["num_accepted_tokens"] / st["num_drafts"] if st and st["num_drafts"] else None
-    step = {"target_step_ms_b1": 1e3 / b0["1"]["tokens_per_s"] if "1" in b0 else None}
-    if tau and "1" in bn and "1" in b0:
-        round_ms = 1e3 * tau / bn["1"]["tokens_per_s"]
-        step["eagle3_round_ms_b1"] = round_ms
-        step["drafting_ms_per_round_b1"] = round_ms - step["target_step_ms_b1"]
-        step["drafter_to_target_step_cost"] = (round_ms - step["target_step_ms_b1"]) / k / step["target_step_ms_b1"]
+    res = SPD.figures(R, k)
     return {
-        "layers": layers, "deepen_seconds": deepen_s, "engine_options": opts, "not_run": [m for m, r in R.items() if r.get("not_run")],
+        "layers": layers, "deepen_seconds": deepen_s, "engine_options": opts,
+        "not_run": [m for m, r in R.items() if r.get("not_run")],
         "source_layers": json.loads((run_dir / "artifacts/target/config.json").read_text())["num_hidden_layers"],
-        "tau_k3": tau, "stats_native": st, "stats_forced": R["speed-forced"].get("stats"),
-        "counters_equal_forced_native": st == R["speed-forced"].get("stats") if "stats" in R["speed-forced"] else None,
-        "mismatching_prompts_baseline_native": _mismatches(R["speed-baseline"], R["speed-native"]),
-        "mismatching_prompts_native_forced": _mismatches(R["speed-native"], R["speed-forced"]),
-        "divergence_baseline_native": divergence_summary(run_dir, prompts, R["speed-baseline"].get("outputs"),
-                                                         R["speed-native"].get("outputs")),
-        "baseline_tokens_per_s": {b: v["tokens_per_s"] for b, v in b0.items()},
-        "eagle3_tokens_per_s": {b: v["tokens_per_s"] for b, v in bn.items()},
-        "forced_tokens_per_s": {b: v["tokens_per_s"] for b, v in bf.items()},
-        "speedup": {b: bn[b]["tokens_per_s"] / b0[b]["tokens_per_s"] for b in b0 if b in bn},
-        "forced_vs_native_throughput": {b: bf[b]["tokens_per_s"] / bn[b]["tokens_per_s"] for b in bn if b in bf},
-        **step,
+        **res,
+        "divergence_baseline_native": divergence_summary(run_dir, prompts, R.get("speed-baseline", {}).get("outputs"),
+                                                         R.get("speed-native", {}).get("outputs")),
         "exit_codes": {m: r.get("exit_code") for m, r in R.items()},
         "engine_start_s": {m: r.get("engine_start_s") for m, r in R.items()},
     }
@@ -503,37 +491,6 @@ def divergence_summary(run_dir: Path, prompts: list[list[int]], a: list[list[int
     del model
     torch.cuda.empty_cache()
     return out
-
-
-def _mismatches(a: dict[str, Any], b: dict[str, Any]) -> int | None:
-    """Prompts whose outputs differ between two engines' results (None when either did not run)."""
-    oa, ob = a.get("outputs"), b.get("outputs")
-    return None if oa is None or ob is None else sum(x != y for x, y in zip(oa, ob, strict=True))
-
-
-def speed_table(res: dict[str, Any]) -> str:
-    """Suite ``speed``'s figures as a markdown table (output tokens/s per batch size, side by side)."""
-    rows = ["| batch | without EAGLE-3 | EAGLE-3 (vLLM's forward) | speedup | EAGLE-3 (our forward forced) | "
-            "forced / native |", "|---|---|---|---|---|---|"]
-    def cell(x: float | None, spec: str) -> str:
-        return "not run" if x is None else format(x, spec)
-
-    for b, base in res["baseline_tokens_per_s"].items():
-        rows.append(f"| {b} | {base:,.0f} | {cell(res['eagle3_tokens_per_s'].get(b), ',.0f')} | "
-                    f"{cell(res['speedup'].get(b), '.2f')}x | {cell(res['forced_tokens_per_s'].get(b), ',.0f')} | "
-                    f"{cell(res['forced_vs_native_throughput'].get(b), '.3f')} |")
-    tau = res.get("tau_k3")
-    note = f"Target deepened from {res['source_layers']} to {res['layers']} layers; tau at k=3: " + (
-        f"{tau:.3f}" if tau else "not measured")
-    if res.get("target_step_ms_b1") and res.get("eagle3_round_ms_b1"):
-        note += (f"; batch 1: target step {res['target_step_ms_b1']:.2f} ms, EAGLE-3 round "
-                 f"{res['eagle3_round_ms_b1']:.2f} ms, drafter/target step cost {res['drafter_to_target_step_cost']:.3f}")
-    dv = res.get("divergence_baseline_native")
-    if dv:
-        note += (f". Outputs with and without EAGLE-3 part on {dv['differing_at_a_token']} of {dv['compared']} prompts; "
-                 f"{dv['near_ties']} of them where the float32 target's two candidates lie within "
-                 f"{dv['ties_within_bf16_steps']:g} bf16 steps (largest margin {dv['largest_margin']:.4f})")
-    return "\n".join(rows) + "\n\n" + note + ".\n"
 
 
 def suite_served(run_dir: Path, out: Path, n: int, mt: int, k: int) -> dict[str, Any]:
@@ -614,6 +571,8 @@ def main() -> int:
     elif a.suite == "speed":
         res = suite_speed(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers, run=not a.no_run,
                           engines=tuple(a.engines.split(",")))
+        from eagle3lab.speed import table as speed_table
+
         (out / "speed.md").write_text(speed_table(res))
     elif a.suite == "extract":
         res = {}

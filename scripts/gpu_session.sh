@@ -11,7 +11,8 @@
 #              does not fit one call continues in the next, on the same warm machine)
 #   proofs     scripts/gpu_engine_proofs.py on that run (suite single)
 #   tp         scripts/gpu_engine_proofs.py --suite tp on that run
-#   speed      scripts/gpu_engine_proofs.py --suite speed (target deepened to LAYERS layers; resumable)
+#   speed      scripts/gpu_engine_proofs.py --suite speed (target deepened to LAYERS layers; resumable; SPEED_ENGINES
+#              in order, repeats allowed: native,forced,native,forced; SPEED_DIR=/tmp/speed2 measures afresh)
 #   extract    scripts/gpu_engine_proofs.py --suite extract (hidden-state extraction vs plain prefill; with
 #              EXTRACT_PARAMS=params/embedded-gpu.yaml on a fresh target of that profile's shapes)
 #   served     scripts/gpu_engine_proofs.py --suite served
