@@ -6,7 +6,9 @@ Runs in the calling process (the CLI starts a fresh one), so nothing leaks into 
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from eagle3lab import patch, vllm_compat
@@ -52,3 +54,61 @@ def format_check(d: dict[str, Any]) -> str:
     lines += [f"  - {a}" for a in d.get("actions", [])]
     lines.append("  OK" if d.get("ok") else "  FAILED: the class is still refused")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 02 on a GPU: the same question asked of real engine launches (eagle3lab.engine.probe_launch)
+
+UNPATCHED, PATCHED = "without the patch", "with the patch"
+
+
+@dataclass
+class LaunchCheck:
+    """The two launches of 02's real-engine section (without the patch, then with it), judged together."""
+
+    launches: dict[str, Any]  # UNPATCHED / PATCHED -> eagle3lab.engine.LaunchProbe
+    legacy_simulation: bool
+    apply: bool
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.launches[PATCHED].workers
+
+    @property
+    def refused_ok(self) -> bool:
+        """The unpatched launch was refused, as it must be where the (simulated) legacy vLLM lacks EAGLE-3."""
+        return self.launches[UNPATCHED].refused or not self.legacy_simulation
+
+    @property
+    def served_ok(self) -> bool:
+        """The patched launch served, and every worker says its model supports EAGLE-3."""
+        w = self.workers
+        return self.launches[PATCHED].exit_code == 0 and bool(w) and all(x.supports_eagle3 for x in w)
+
+    @property
+    def ok(self) -> bool:
+        """What the class-level check predicts happened in the real engine (nothing to predict without the patch)."""
+        return not self.apply or (self.served_ok and self.refused_ok)
+
+    def launch_rows(self) -> list[dict[str, Any]]:
+        return [{"launch": name, "patch env": json.dumps(r.patch), "exit code": r.exit_code, "refused": r.refused,
+                 "engine core's message": r.message or "-", "seconds": round(r.seconds)}
+                for name, r in self.launches.items()]
+
+    def worker_rows(self) -> list[dict[str, Any]]:
+        return [{"worker rank": w.rank, "top-level class": w.model_class, "supports_eagle3": w.supports_eagle3,
+                 "inner forward": w.inner_forward, "our forward": w.eagle3lab_forward, "aux layers": w.aux_layers}
+                for w in self.workers] or [{"worker rank": "-", "top-level class": "no worker answered (see the log)"}]
+
+    def metrics(self) -> dict[str, Any]:
+        """``patch.engine.*``: the refusal and its message, whether the patched launch served, the workers."""
+        un = self.launches[UNPATCHED]
+        return {"patch.engine.refused_without_patch": un.refused, "patch.engine.refusal_message": un.message,
+                "patch.engine.served_with_patch": self.served_ok,
+                "patch.engine.workers": [w.__dict__ for w in self.workers]}
+
+    def note(self) -> str:
+        forwards = ", ".join(sorted({w.inner_forward or "?" for w in self.workers}))
+        return (f"Real engine: without the patch {'refused' if self.launches[UNPATCHED].refused else 'started'}; "
+                f"with it {'served' if self.served_ok else 'FAILED'}, {len(self.workers)} worker(s) reporting "
+                f"{forwards}.")
