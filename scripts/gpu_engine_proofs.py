@@ -293,8 +293,9 @@ def suite_single(run_dir: Path, out: Path, n: int, mt: int, k: int) -> dict[str,
         return None if oa is None or ob is None else oa == ob
 
     def mismatches(a: str, b: str) -> int | None:
-        oa, ob = R[a].get("outputs"), R[b].get("outputs")
-        return None if oa is None or ob is None else sum(x != y for x, y in zip(oa, ob, strict=True))
+        from eagle3lab.speed import mismatches as count
+
+        return count(R[a], R[b])
 
     st = {m: R[m].get("stats") for m in ("patched-eager", "native-compiled", "forced-compiled")}
     ref = R["reference"]["stats"]
@@ -396,8 +397,9 @@ def tp_summary(R: dict[str, dict], out: Path, tp: int) -> dict[str, Any]:
                                if "does not support EAGLE3 interface" in ln and "(" in ln and "pid=" in ln})
 
     def same(a: str, b: str) -> int | None:
-        oa, ob = R[a].get("outputs"), R[b].get("outputs")
-        return None if oa is None or ob is None else sum(x != y for x, y in zip(oa, ob, strict=True))
+        from eagle3lab.speed import mismatches as count
+
+        return count(R[a], R[b])
 
     s1, sn = R["patched-tp1"].get("stats"), R[f"patched-tp{tp}"].get("stats")
     return {
@@ -445,13 +447,14 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, 
             "extra": {"max_num_seqs": 32}}
     planned = SPD.instances(engines)
     kept = sorted(f.name.removesuffix(".result.json") for f in out.glob("speed-*.result.json"))
+    to_run = [nm for _, nm in planned]
     R: dict[str, dict] = {}
-    for name in dict.fromkeys([nm for _, nm in planned] + kept):
+    for name in dict.fromkeys(to_run + kept):
         keep = out / f"{name}.result.json"
         if keep.is_file() and json.loads(keep.read_text()).get("exit_code") == 0:
             R[name] = json.loads(keep.read_text())
             continue
-        if not run or name not in {nm for _, nm in planned}:
+        if not run or name not in to_run:
             R[name] = {"name": name, "exit_code": None, "not_run": True}
             continue
         if not (deep / "config.json").is_file():

@@ -117,11 +117,9 @@ class EngineDecode:
         Where the outputs part says what kind of mismatch it is: a bf16 near-tie flips one late token and the rest
         follows from it, while a broken drafter path or patch would diverge at the first tokens of most prompts.
         """
-        out = {}
-        for i in self.mismatch:
-            a, b = self.greedy[i], self.spec.outputs[i]
-            out[i] = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        return out
+        from eagle3lab.divergence import first_difference
+
+        return {i: first_difference(self.greedy[i], self.spec.outputs[i]) for i in self.mismatch}
 
     @property
     def measured_speedup(self) -> float | None:

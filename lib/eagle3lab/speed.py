@@ -40,24 +40,24 @@ def kind_of(name: str) -> str:
     return name.removeprefix("speed-").split("-")[0]
 
 
-def pooled(results: Mapping[str, Mapping[str, Any]], kind: str) -> dict[str, float]:
-    """Tokens/s per batch size of one configuration: the median over its instances that measured that size."""
+def _per_batch(results: Mapping[str, Mapping[str, Any]], kind: str) -> dict[str, list[float]]:
+    """Tokens/s of every instance of one configuration, per batch size it measured."""
     per_batch: dict[str, list[float]] = {}
     for name, r in results.items():
         if kind_of(name) == kind:
             for b, v in (r.get("bench") or {}).items():
                 per_batch.setdefault(b, []).append(v["tokens_per_s"])
-    return {b: statistics.median(v) for b, v in per_batch.items()}
+    return per_batch
+
+
+def pooled(results: Mapping[str, Mapping[str, Any]], kind: str) -> dict[str, float]:
+    """Tokens/s per batch size of one configuration: the median over its instances that measured that size."""
+    return {b: statistics.median(v) for b, v in _per_batch(results, kind).items()}
 
 
 def spread(results: Mapping[str, Mapping[str, Any]], kind: str) -> dict[str, float]:
     """Per batch size, the fastest instance of a configuration over its slowest (only with two or more)."""
-    per_batch: dict[str, list[float]] = {}
-    for name, r in results.items():
-        if kind_of(name) == kind:
-            for b, v in (r.get("bench") or {}).items():
-                per_batch.setdefault(b, []).append(v["tokens_per_s"])
-    return {b: max(v) / min(v) for b, v in per_batch.items() if len(v) > 1}
+    return {b: max(v) / min(v) for b, v in _per_batch(results, kind).items() if len(v) > 1}
 
 
 def mismatches(a: Mapping[str, Any], b: Mapping[str, Any]) -> int | None:
