@@ -20,6 +20,9 @@ suite ``tp`` (two GPUs): the legacy refusal at TP 2, the patch in both workers, 
 suite ``speed``: output tokens/s with and without EAGLE-3 (and our forward forced) at batch 1, 8, 32 on the run's
   target deepened to ``--layers`` layers (``target.deepen_target``: same tokens, a forward that dominates the
   drafter's); resumable over several device calls.
+suite ``ratio``: our forward forced against vLLM's native one, compiled with CUDA graphs, with every instance alive at
+  once (``native,forced,native,forced`` by default) and their repetitions taken in turn, round by round
+  (``eagle3lab.speed``): per-round ratios and the spread between instances of one configuration.
 suite ``extract``: hidden-state extraction (transformers, our hooks, shards on disk) against a plain prefill of the
   same batches on the GPU (``ratio``), and against the same forward that extraction runs, up to the highest aux
   layer, without copies or writes (``ratio_to_aux_forward``: what the copies and writes cost).
@@ -123,6 +126,61 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
         res["bench"] = bench
     eng.close()
     return res
+
+
+def live_child(job: dict[str, Any]) -> None:
+    """One engine instance of suite ``ratio``: start it, say so, then answer the parent's requests
+    (``eagle3lab.speed``'s protocol) until it asks to close."""
+    import traceback
+
+    from eagle3lab.acceptance import stats_from_vllm_metrics
+    from eagle3lab.engine import VllmEngine
+    from eagle3lab.speed import live_connection
+
+    conn = live_connection()
+    try:
+        eng = VllmEngine(job["target"], **job["options"])
+        spec = None
+        if job.get("drafter"):
+            spec = {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": job["k"]}
+        t0 = time.perf_counter()
+        llm = eng.llm(spec)
+        conn.send({"engine_start_s": time.perf_counter() - t0, "pid": os.getpid(),
+                   "workers": [r.__dict__ for r in eng.worker_reports()]})
+    except Exception:  # noqa: BLE001 - the parent reports it, with the traceback
+        conn.send({"error": traceback.format_exc()[-3000:]})
+        return
+    prompts, sp = job["prompts"], eng._sampling(job["max_tokens"], 0.0, 1.0, 0, ignore_eos=True)  # noqa: SLF001
+    warmed: set[int] = set()
+    while True:
+        msg = conn.recv()
+        try:
+            if msg["op"] == "counters":
+                before = llm.get_metrics()
+                t0 = time.perf_counter()
+                outs = eng._run(llm, prompts, sp)  # noqa: SLF001
+                ans: dict[str, Any] = {"outputs": outs, "generate_s": time.perf_counter() - t0}
+                if spec is not None:
+                    ans["stats"] = stats_from_vllm_metrics(before, llm.get_metrics()).to_dict()
+            elif msg["op"] == "bench":
+                b = int(msg["batch"])
+                batch = (prompts * (b // len(prompts) + 1))[:b]
+                if b not in warmed:  # graph capture, Triton JIT, caches: untimed
+                    for _ in range(job.get("warmup", 2)):
+                        eng._run(llm, batch, sp)  # noqa: SLF001
+                    warmed.add(b)
+                t0 = time.perf_counter()
+                outs = eng._run(llm, batch, sp)  # noqa: SLF001
+                ans = {"seconds": time.perf_counter() - t0, "tokens": sum(len(o) for o in outs)}
+            elif msg["op"] == "close":
+                eng.close()
+                conn.send({"closed": True})
+                return
+            else:
+                ans = {"error": f"unknown op {msg['op']!r}"}
+        except Exception:  # noqa: BLE001
+            ans = {"error": traceback.format_exc()[-3000:]}
+        conn.send(ans)
 
 
 def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None, timeout: float = 500) -> dict:
@@ -478,6 +536,81 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, 
     }
 
 
+def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int | None,
+                engines: tuple[str, ...] = ("native", "forced", "native", "forced"), rounds: int = 10,
+                batches: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
+    """Our forward forced against vLLM's native one, every instance alive at once (``eagle3lab.speed``).
+
+    The instances start one after another; then each round times one repetition of every instance at every
+    batch size, in an order rotated each round. Throughput per instance is the median of its repetitions;
+    the forced/native ratio is also taken within each round, which cancels drift of the machine over the
+    suite's minutes. The repetitions go to OUT/ratio-reps.jsonl as they come.
+    """
+    import tempfile
+
+    from eagle3lab import speed as SPD
+    from eagle3lab.plugin import plugin_env
+    from eagle3lab.target import deepen_target
+
+    src_layers = json.loads((run_dir / "artifacts/target/config.json").read_text())["num_hidden_layers"]
+    target = run_dir / "artifacts/target"
+    if layers and layers != src_layers:
+        target = Path(tempfile.gettempdir()) / f"eagle3lab-deep-{layers}"
+        if not (target / "config.json").is_file():
+            deepen_target(run_dir / "artifacts/target", target, layers)
+    prompts = _prompts(run_dir, n)
+    dr = str(run_dir / "artifacts/drafter")
+    per = max(0.1, round(0.8 / len(engines), 2))  # every instance at once on one GPU
+    opts = {"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": per, "max_model_len": 1024,
+            "extra": {"max_num_seqs": max(batches)}}
+    reps_file = out / "ratio-reps.jsonl"
+    reps_file.write_text("")
+    started: list[SPD.Instance] = []
+    counters: dict[str, dict[str, Any]] = {}
+    res: dict[str, Any] = {"layers": layers or src_layers, "source_layers": src_layers, "engine_options": opts,
+                           "rounds": rounds, "k": k, "batches": list(batches), "engines": list(engines)}
+    reps: list[dict[str, Any]] = []
+    failure = None
+    try:
+        for kind, name in SPD.instances(engines):
+            env = {kk: v for kk, v in os.environ.items() if kk != "EAGLE3LAB_PATCH"}
+            if kind != "baseline":
+                env.update(plugin_env(**PATCH[kind]))
+            job = {"name": name, "target": str(target), "options": opts, "prompts": prompts, "max_tokens": mt,
+                   "k": k, "drafter": None if kind == "baseline" else dr, "warmup": 2}
+            t0 = time.perf_counter()
+            inst = SPD.start_instance(name, [sys.executable, __file__, "--live-child", json.dumps(job)], env,
+                                      out / f"{name}.log", start_timeout_s=420)
+            started.append(inst)
+            print(f"{name}: up in {time.perf_counter() - t0:.0f} s (engine {inst.ready['engine_start_s']:.0f} s)",
+                  flush=True)
+            counters[name] = {"name": name, "exit_code": 0, "engine_start_s": inst.ready["engine_start_s"],
+                              "workers": inst.ready["workers"], **inst.ask({"op": "counters"}, 300)}
+
+        def keep(rep: dict[str, Any]) -> None:
+            with reps_file.open("a") as f:
+                f.write(json.dumps(rep) + "\n")
+
+        t0 = time.perf_counter()
+        reps = SPD.run_interleaved(started, batches, rounds, on_rep=keep)
+        res["rounds_seconds"] = time.perf_counter() - t0
+    except SPD.LiveError as e:  # what ran stays: the kept repetitions are still figures
+        failure = str(e)
+        print("FAILED:", failure, flush=True)
+    finally:
+        res["closed"] = SPD.close_all(started)
+    res["failure"] = failure
+    results = SPD.interleaved_results(reps, counters)
+    res.update(SPD.figures(results, k))
+    res["paired_ratio"] = SPD.paired_ratios(reps)
+    res["verdict"] = SPD.ratio_verdict(res["paired_ratio"])
+    res["repetition_spread"] = SPD.repetition_spread(reps)
+    res["engine_start_s"] = {m: c.get("engine_start_s") for m, c in counters.items()}
+    res["workers"] = {m: c.get("workers") for m, c in counters.items()}
+    res["gpu_processes_left_after_close"] = _gpu_pids()
+    return res
+
+
 def divergence_summary(run_dir: Path, prompts: list[list[int]], a: list[list[int]] | None,
                        b: list[list[int]] | None) -> dict[str, Any] | None:
     """Where two engines' outputs part, the float32 target's margin between the two tokens (the run's own
@@ -538,8 +671,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir")
     ap.add_argument("out_dir")
-    ap.add_argument("--suite", choices=["single", "tp", "speed", "extract", "served"], default="single")
-    ap.add_argument("--layers", type=int, default=96, help="suite speed: layers of the deepened target")
+    ap.add_argument("--suite", choices=["single", "tp", "speed", "ratio", "extract", "served"], default="single")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="suite speed: layers of the deepened target (default 96); suite ratio: the same (default: as it is)")
+    ap.add_argument("--rounds", type=int, default=10, help="suite ratio: rounds of interleaved repetitions")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
@@ -547,7 +682,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="suite extract: where the target runs (cpu for a smoke run)")
     ap.add_argument("--extract-samples", type=int, default=256, help="suite extract: sequences per measurement")
     ap.add_argument("--target-params", help="suite extract: measure on a fresh target of this profile's shapes")
-    ap.add_argument("--engines", default="baseline,native,forced", help="suite speed: the engines to run")
+    ap.add_argument("--engines", default=None,
+                    help="suite speed: the engines to run (default baseline,native,forced); suite ratio: the "
+                         "instances alive at once (default native,forced,native,forced)")
     ap.add_argument("--no-run", action="store_true", help="suite speed: rebuild the figures from kept results only")
     a = ap.parse_args()
     run_dir, out = Path(a.run_dir), Path(a.out_dir)
@@ -572,11 +709,17 @@ def main() -> int:
     elif a.suite == "tp":
         res = suite_tp(run_dir, out, a.prompts, a.max_tokens, a.k, a.tp)
     elif a.suite == "speed":
-        res = suite_speed(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers, run=not a.no_run,
-                          engines=tuple(a.engines.split(",")))
+        res = suite_speed(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers or 96, run=not a.no_run,
+                          engines=tuple((a.engines or "baseline,native,forced").split(",")))
         from eagle3lab.speed import table as speed_table
 
         (out / "speed.md").write_text(speed_table(res))
+    elif a.suite == "ratio":
+        res = suite_ratio(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers, rounds=a.rounds,
+                          engines=tuple((a.engines or "native,forced,native,forced").split(",")))
+        from eagle3lab.speed import ratio_table
+
+        (out / "ratio.md").write_text(ratio_table(res))
     elif a.suite == "extract":
         res = {}
         if a.target_params:
@@ -602,7 +745,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+    if len(sys.argv) > 1 and sys.argv[1] == "--live-child":
+        live_child(json.loads(sys.argv[2]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--child":
         job = json.loads(sys.argv[2])
         Path(job["out"]).write_text(json.dumps(child(job), default=str))
     else:

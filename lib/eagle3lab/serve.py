@@ -180,7 +180,7 @@ def group_members(pgid: int) -> list[int]:
     return sorted(members)
 
 
-_LIVE: set[VllmServer | _Group] = set()  # what the exit hooks stop
+_LIVE: set[VllmServer | ProcessGroup] = set()  # what the exit hooks stop
 _LIVE_LOCK = threading.Lock()
 _HOOKS_INSTALLED = False
 
@@ -418,21 +418,70 @@ _GROUP_GUARD_EXEC = _PDEATHSIG_PRELUDE + (
     "    time.sleep(0.5)\n"
     "    os.killpg(0, signal.SIGKILL)\n"
     "signal.signal(signal.SIGTERM, stop)\n"
-    "rc = job.wait()\n"
+    # not job.wait(): the handler's wait would then find Popen's wait lock taken and sleep out its whole grace
+    "while job.poll() is None: time.sleep(0.05)\n"
+    "rc = job.returncode\n"
     "sys.exit(rc if rc >= 0 else 128 - rc)\n"
 )
 
 
-class _Group:
-    """A process group started by :func:`run_in_group`, stoppable by the same hooks as the servers."""
+class ProcessGroup:
+    """A job started by :func:`start_in_group`: its own process group, stopped as a whole by :meth:`stop` (and
+    by the same exit hooks as the servers, and by its guard when this process dies)."""
 
     def __init__(self, proc: subprocess.Popen[Any], grace_s: float) -> None:
         self.proc, self.grace_s = proc, grace_s
 
+    def alive(self) -> bool:
+        """Whether the job (its guard, which waits for it) is still running."""
+        return self.proc.poll() is None
+
+    def wait(self, timeout_s: float) -> int:
+        """The job's exit status (128 + N when it died of signal N), or 124 when ``timeout_s`` passed first."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return 124
+
     def stop(self) -> None:
+        """SIGTERM the whole group, SIGKILL what is left after the grace period."""
         stop_process_group(self.proc, self.proc.pid, self.grace_s)
         with _LIVE_LOCK:
             _LIVE.discard(self)
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_in_group(
+    argv: Sequence[str],
+    log_path: str | Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    grace_s: float = 15.0,
+    die_with_parent: bool = True,
+) -> ProcessGroup:
+    """Start ``argv`` in a process group of its own, output to ``log_path`` (written afresh), and return it.
+
+    The group is led by a guard process under ``PR_SET_PDEATHSIG``: if this process dies, even by SIGKILL, the
+    guard stops the whole group, so a vLLM engine and its engine core cannot outlive the script that started
+    them (they would hold the GPU and upset vLLM's memory profiling in the next engine's start; seen on
+    2026-12-02, when a child in its own session outlived its parent's time limit).
+    """
+    _install_hooks()
+    die_with_parent = die_with_parent and sys.platform.startswith("linux")
+    full = ([sys.executable, "-c", _GROUP_GUARD_EXEC, str(os.getpid()), str(grace_s), *argv] if die_with_parent
+            else list(argv))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(env) if env is not None else None, start_new_session=True)
+    group = ProcessGroup(proc, grace_s)
+    with _LIVE_LOCK:
+        _LIVE.add(group)
+    return group
 
 
 def run_in_group(
@@ -444,31 +493,14 @@ def run_in_group(
     grace_s: float = 15.0,
     die_with_parent: bool = True,
 ) -> int:
-    """Run ``argv`` to completion in a process group of its own, output to ``log_path`` (written afresh);
-    returns its exit status (128 + N when the job died of signal N), or 124 when ``timeout_s`` passed.
+    """Run ``argv`` to completion in a process group of its own (:func:`start_in_group`); returns its exit
+    status (128 + N when the job died of signal N), or 124 when ``timeout_s`` passed.
 
     Whatever way this call ends (normal exit, timeout, an exception, Ctrl-C, SIGTERM/SIGHUP to this process,
-    or this process killed outright, through ``PR_SET_PDEATHSIG``), the whole group is stopped before it
-    returns: a vLLM engine and its engine core must not outlive the script that started them, or they hold
-    the GPU (and upset vLLM's memory profiling) in the next engine's start. Seen on 2026-12-02: a child in its
-    own session outlived its parent's time limit and ran into the next device call.
+    or this process killed outright), the whole group is stopped before it returns.
     """
-    _install_hooks()
-    die_with_parent = die_with_parent and sys.platform.startswith("linux")
-    full = ([sys.executable, "-c", _GROUP_GUARD_EXEC, str(os.getpid()), str(grace_s), *argv] if die_with_parent
-            else list(argv))
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(env) if env is not None else None, start_new_session=True)
-    group = _Group(proc, grace_s)
-    with _LIVE_LOCK:
-        _LIVE.add(group)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return 124
-    finally:
-        group.stop()
+    with start_in_group(argv, log_path, env=env, grace_s=grace_s, die_with_parent=die_with_parent) as group:
+        return group.wait(timeout_s)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -14,8 +14,11 @@ sees whether a ratio stands out from the noise.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 KINDS = ("baseline", "native", "forced")
@@ -123,3 +126,239 @@ def table(res: Mapping[str, Any]) -> str:
                  f"{dv['near_ties']} of them where the float32 target's two candidates lie within "
                  f"{dv['ties_within_bf16_steps']:g} bf16 steps (largest margin {dv['largest_margin']:.4f})")
     return "\n".join(rows) + "\n\n" + note + ".\n"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Interleaved engines: every instance alive at once, their repetitions taken in turn
+#
+# Engines run one after another (the suite above) differ by whatever changed between their lives: the machine,
+# its clocks, the host's load. Here all instances of the compared configurations are started first (one after
+# another: vLLM's memory profiling at start must not see another engine free memory), and then every round
+# times one repetition of each, in an order rotated each round. A forced/native ratio taken within one round
+# compares engines that ran seconds apart; the spread of those per-round ratios, and the spread between
+# instances of one configuration, say how far a ratio can be trusted.
+
+
+def rotation(names: Sequence[str], rounds: int) -> list[list[str]]:
+    """The instances' order in each round, rotated by one each round: no instance always goes first (after the
+    pause in which the parent collected the last round) or always follows the same neighbour."""
+    n = len(names)
+    return [list(names[r % n:]) + list(names[: r % n]) for r in range(rounds)] if n else []
+
+
+def _median_tps(reps: Sequence[Mapping[str, Any]]) -> float:
+    return statistics.median(r["tokens"] / r["seconds"] for r in reps)
+
+
+def interleaved_results(reps: Sequence[Mapping[str, Any]],
+                        counters: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per-instance results in the shape :func:`figures` reads, from interleaved repetitions.
+
+    ``reps``: one mapping per timed repetition (``round``, ``batch``, ``name``, ``seconds``, ``tokens``);
+    ``counters``: per instance, what its first full pass over the prompts returned (``outputs``, ``stats``, ...).
+    An instance's throughput at a batch size is the median over its repetitions.
+    """
+    out: dict[str, dict[str, Any]] = {name: dict(c) for name, c in counters.items()}
+    by: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for r in reps:
+        by.setdefault((r["name"], str(r["batch"])), []).append(r)
+    for (name, b), rs in by.items():
+        out.setdefault(name, {"name": name}).setdefault("bench", {})[b] = {
+            "tokens_per_s": _median_tps(rs), "reps": len(rs), "rep_seconds": [r["seconds"] for r in rs]}
+    return out
+
+
+def paired_ratios(reps: Sequence[Mapping[str, Any]], num: str = "forced", den: str = "native") -> dict[str, Any]:
+    """Per batch size, the ratio of configuration ``num`` to ``den`` taken within each round (mean tokens/s
+    of each configuration's instances in that round), and the median, minimum and maximum over rounds."""
+    cell: dict[tuple[str, int, str], list[float]] = {}
+    for r in reps:
+        cell.setdefault((str(r["batch"]), int(r["round"]), kind_of(r["name"])), []).append(r["tokens"] / r["seconds"])
+    out: dict[str, Any] = {}
+    for b in sorted({b for b, _, _ in cell}, key=int):
+        rounds = sorted({rd for bb, rd, _ in cell if bb == b})
+        ratios = [statistics.fmean(cell[b, rd, num]) / statistics.fmean(cell[b, rd, den]) for rd in rounds
+                  if (b, rd, num) in cell and (b, rd, den) in cell]
+        if ratios:
+            out[b] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                      "rounds": len(ratios), "per_round": ratios}
+    return out
+
+
+def repetition_spread(reps: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per instance and batch size, its slowest repetition over its fastest (seconds): the noise within one
+    engine, to set beside the spread between engines."""
+    by: dict[tuple[str, str], list[float]] = {}
+    for r in reps:
+        by.setdefault((r["name"], str(r["batch"])), []).append(r["seconds"])
+    out: dict[str, dict[str, float]] = {}
+    for (name, b), s in sorted(by.items()):
+        out.setdefault(name, {})[b] = max(s) / min(s)
+    return out
+
+
+def ratio_verdict(paired: Mapping[str, Mapping[str, Any]], target: float = 0.98) -> dict[str, str]:
+    """Per batch size, what the per-round ratios say against ``target``: ``met`` when even the lowest round
+    reaches it, ``missed`` when even the highest stays below, else ``median met`` / ``median missed`` (the
+    rounds straddle the target: the noise is larger than the question)."""
+    out = {}
+    for b, p in paired.items():
+        if p["min"] >= target:
+            out[b] = "met"
+        elif p["max"] < target:
+            out[b] = "missed"
+        else:
+            out[b] = "median met" if p["median"] >= target else "median missed"
+    return out
+
+
+def ratio_table(res: Mapping[str, Any]) -> str:
+    """The interleaved suite's figures as a markdown table and a note."""
+    rows = ["| batch | native tok/s (median over instances) | forced tok/s | forced / native, pooled | "
+            "per-round forced / native: median [min, max] (rounds) | spread between native instances | "
+            "between forced instances | verdict (>= 0.98) |", "|---|---|---|---|---|---|---|---|"]
+    pr, sp, verdict = res["paired_ratio"], res.get("instance_spread") or {}, res["verdict"]
+    for b, p in pr.items():
+        sn, sf = sp.get("native", {}).get(b), sp.get("forced", {}).get(b)
+        rows.append(
+            f"| {b} | {res['eagle3_tokens_per_s'].get(b, float('nan')):,.0f} | "
+            f"{res['forced_tokens_per_s'].get(b, float('nan')):,.0f} | "
+            f"{res['forced_vs_native_throughput'].get(b, float('nan')):.3f} | "
+            f"{p['median']:.3f} [{p['min']:.3f}, {p['max']:.3f}] ({p['rounds']}) | "
+            f"{'-' if sn is None else format(sn, '.3f')} | {'-' if sf is None else format(sf, '.3f')} | {verdict[b]} |")
+    note = (f"{len(res['instances'].get('native', []))} native and {len(res['instances'].get('forced', []))} forced "
+            f"engines alive at once, {res['rounds']} rounds, k={res['k']}, target of {res['layers']} layers; "
+            f"counters equal across every EAGLE-3 instance: {res.get('counters_equal_forced_native')}; "
+            f"prompts whose outputs differ, native vs forced: {res.get('mismatching_prompts_native_forced')}")
+    return "\n".join(rows) + "\n\n" + note + ".\n"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The parent's side: start the instances, take their repetitions in turn, stop them
+#
+# Each instance is a child process in a process group of its own (``serve.start_in_group``: it cannot outlive
+# this process). It connects to a Unix socket named in ``EAGLE3LAB_LIVE_SOCKET``, sends one message when its
+# engine is up, then answers requests: ``{"op": "counters"}`` (one full pass over the prompts: outputs, acceptance
+# counters), ``{"op": "bench", "batch": b}`` (one timed repetition: ``seconds``, ``tokens``) and
+# ``{"op": "close"}``. Every message is a picklable dict; a child that fails sends ``{"error": ...}``.
+
+LIVE_SOCKET_ENV = "EAGLE3LAB_LIVE_SOCKET"
+
+
+class LiveError(RuntimeError):
+    """An instance died, failed or did not answer in time."""
+
+
+def live_connection() -> Any:
+    """The child's side: a ``multiprocessing.connection.Connection`` to the parent named in the environment."""
+    import os
+    import socket
+    from multiprocessing.connection import Connection
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(os.environ[LIVE_SOCKET_ENV])
+    return Connection(sock.detach())
+
+
+@dataclass
+class Instance:
+    """One live child: its name, process group and connection, and what it said when it came up."""
+
+    name: str
+    group: Any
+    conn: Any
+    ready: dict[str, Any]
+
+    def ask(self, msg: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send one request and wait for its answer; LiveError when the child dies, fails or is late."""
+        self.conn.send(dict(msg))
+        return _answer(self.name, self.group, self.conn, timeout_s)
+
+
+def _answer(name: str, group: Any, conn: Any, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.5):
+        if not group.alive():
+            raise LiveError(f"{name}: the child exited (status {group.proc.poll()}) without answering")
+        if time.monotonic() > deadline:
+            raise LiveError(f"{name}: no answer within {timeout_s:.0f} s")
+    try:
+        msg = conn.recv()
+    except EOFError as e:
+        raise LiveError(f"{name}: the child closed its connection") from e
+    if "error" in msg:
+        raise LiveError(f"{name}: {msg['error']}")
+    return msg
+
+
+def start_instance(name: str, argv: Sequence[str], env: Mapping[str, str], log_path: str | Path,
+                   start_timeout_s: float) -> Instance:
+    """Start one child and wait until it says its engine is up (its first message)."""
+    import os
+    import socket
+    import tempfile
+    from multiprocessing.connection import Connection
+
+    from eagle3lab.serve import start_in_group
+
+    sock_dir = tempfile.mkdtemp(prefix="eagle3lab-live-")  # private (0700): nobody else can connect
+    path = os.path.join(sock_dir, "s")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    server.settimeout(0.5)
+    group = start_in_group(list(argv), log_path, env={**env, LIVE_SOCKET_ENV: path})
+    deadline = time.monotonic() + start_timeout_s
+    try:
+        while True:
+            try:
+                sock, _ = server.accept()
+                break
+            except TimeoutError:
+                if not group.alive():
+                    raise LiveError(f"{name}: the child exited (status {group.proc.poll()}) before connecting") from None
+                if time.monotonic() > deadline:
+                    raise LiveError(f"{name}: did not connect within {start_timeout_s:.0f} s") from None
+        sock.settimeout(None)
+        conn = Connection(sock.detach())
+        ready = _answer(name, group, conn, max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        group.stop()
+        raise
+    finally:
+        server.close()
+        os.unlink(path)
+        os.rmdir(sock_dir)
+    return Instance(name, group, conn, ready)
+
+
+def run_interleaved(instances: Sequence[Instance], batches: Sequence[int], rounds: int,
+                    on_rep: Any = None, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Time one repetition per instance and batch size in each round, in :func:`rotation` order; returns the
+    repetitions (``round``, ``batch``, ``name``, ``seconds``, ``tokens``), each also passed to ``on_rep`` as it
+    comes (to keep it on disk: nothing is lost when a call's time limit cuts the suite)."""
+    by_name = {i.name: i for i in instances}
+    reps = []
+    for rd, order in enumerate(rotation([i.name for i in instances], rounds)):
+        for b in batches:
+            for name in order:
+                ans = by_name[name].ask({"op": "bench", "batch": b}, timeout_s)
+                rep = {"round": rd, "batch": b, "name": name, "seconds": ans["seconds"], "tokens": ans["tokens"]}
+                reps.append(rep)
+                if on_rep is not None:
+                    on_rep(rep)
+    return reps
+
+
+def close_all(instances: Sequence[Instance], timeout_s: float = 60.0) -> dict[str, str]:
+    """Ask each instance to close its engine, then stop its process group whatever it answered."""
+    said = {}
+    for inst in instances:
+        try:
+            inst.ask({"op": "close"}, timeout_s)
+            said[inst.name] = "closed"
+        except (LiveError, OSError) as e:
+            said[inst.name] = f"not closed cleanly: {e}"
+        finally:
+            inst.group.stop()
+    return said

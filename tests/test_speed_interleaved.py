@@ -1,0 +1,118 @@
+"""eagle3lab.speed's interleaved suite: the rotation, the per-round ratios and verdicts on hand-made repetitions,
+and the parent's side of the protocol against real child processes that speak it (stand-ins for vLLM engines:
+they answer with fixed timings, so the figures the parent computes can be checked exactly)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from eagle3lab import speed as SPD
+from eagle3lab.serve import group_members
+
+
+def rep(rd: int, b: int, name: str, seconds: float, tokens: int = 100) -> dict:
+    return {"round": rd, "batch": b, "name": name, "seconds": seconds, "tokens": tokens}
+
+
+def test_rotation_moves_every_instance_through_every_place():
+    order = SPD.rotation(["a", "b", "c"], 4)
+    assert order == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert all(sorted(o) == ["a", "b", "c"] for o in order)
+    assert SPD.rotation([], 3) == []
+
+
+def test_paired_ratio_is_taken_within_each_round():
+    # round 0 runs fast for everyone, round 1 slow (machine drift): within a round forced is at 0.9 of native
+    reps = [rep(0, 1, "speed-native", 1.0), rep(0, 1, "speed-forced", 1 / 0.9),
+            rep(1, 1, "speed-native", 2.0), rep(1, 1, "speed-forced", 2 / 0.9),
+            rep(1, 1, "speed-native-2", 2.0)]  # a second native instance averages in its round
+    p = SPD.paired_ratios(reps)["1"]
+    assert p["rounds"] == 2
+    assert p["median"] == pytest.approx(0.9) and p["min"] == pytest.approx(0.9) and p["max"] == pytest.approx(0.9)
+
+
+def test_verdicts_say_when_the_rounds_straddle_the_target():
+    pr = {"1": {"median": 0.99, "min": 0.985, "max": 1.0}, "8": {"median": 0.95, "min": 0.94, "max": 0.97},
+          "32": {"median": 0.99, "min": 0.9, "max": 1.1}, "64": {"median": 0.97, "min": 0.9, "max": 1.1}}
+    assert SPD.ratio_verdict(pr) == {"1": "met", "8": "missed", "32": "median met", "64": "median missed"}
+
+
+def test_interleaved_results_feed_the_figures():
+    st = {"num_drafts": 10, "num_accepted_tokens": 15}
+    reps = [rep(r, 1, n, s) for r in range(3) for n, s in
+            (("speed-native", 0.5), ("speed-forced", 0.5 + 0.01 * r), ("speed-native-2", 0.25))]
+    counters = {n: {"name": n, "exit_code": 0, "stats": st, "outputs": [[1, 2]]}
+                for n in ("speed-native", "speed-forced", "speed-native-2")}
+    R = SPD.interleaved_results(reps, counters)
+    assert R["speed-native"]["bench"]["1"]["tokens_per_s"] == pytest.approx(200.0)
+    assert R["speed-forced"]["bench"]["1"]["tokens_per_s"] == pytest.approx(100 / 0.51)  # the median repetition
+    f = SPD.figures(R, k=3)
+    assert f["eagle3_tokens_per_s"]["1"] == pytest.approx(300.0)  # median of the instances 200 and 400
+    assert f["instance_spread"]["native"]["1"] == pytest.approx(2.0)
+    assert f["counters_equal_forced_native"] is True and f["mismatching_prompts_native_forced"] == 0
+    assert SPD.repetition_spread(reps)["speed-forced"]["1"] == pytest.approx(0.52 / 0.50)
+
+
+# A stand-in engine child: argv[1] is its seconds per repetition; "fail" fails at start, "hang" never answers.
+CHILD = r"""
+import sys, time
+from eagle3lab.speed import live_connection
+conn = live_connection()
+mode = sys.argv[1]
+if mode == "fail":
+    conn.send({"error": "engine start failed: no valid MLA prefill backend"})
+    sys.exit(1)
+conn.send({"engine_start_s": 0.0, "workers": [{"rank": 0}], "pid": __import__("os").getpid()})
+while True:
+    msg = conn.recv()
+    if msg["op"] == "close":
+        conn.send({"closed": True}); break
+    if mode == "hang":
+        time.sleep(600)
+    if msg["op"] == "counters":
+        conn.send({"outputs": [[1, 2, 3]], "stats": {"num_drafts": 4, "num_accepted_tokens": 6}})
+    else:
+        conn.send({"seconds": float(mode) * msg["batch"], "tokens": 64 * msg["batch"]})
+"""
+
+
+def start(name: str, mode: str, tmp_path, timeout: float = 30.0) -> SPD.Instance:
+    return SPD.start_instance(name, [sys.executable, "-c", CHILD, mode], dict(os.environ), tmp_path / f"{name}.log",
+                              start_timeout_s=timeout)
+
+
+def test_live_children_are_timed_in_turn_and_stopped(tmp_path):
+    insts = [start("speed-native", "0.5", tmp_path), start("speed-forced", "0.25", tmp_path)]
+    counters = {i.name: i.ask({"op": "counters"}, 10) for i in insts}
+    kept = []
+    reps = SPD.run_interleaved(insts, [1, 8], rounds=3, on_rep=kept.append)
+    said = SPD.close_all(insts)
+    assert said == {"speed-native": "closed", "speed-forced": "closed"}
+    assert all(group_members(i.group.proc.pid) == [] for i in insts)  # nothing of either child is left
+    assert kept == reps and len(reps) == 2 * 2 * 3
+    assert [r["name"] for r in reps if r["round"] == 1 and r["batch"] == 1] == ["speed-forced", "speed-native"]
+    p = SPD.paired_ratios(reps)
+    assert p["1"]["median"] == pytest.approx(2.0) and p["8"]["rounds"] == 3
+    assert counters["speed-forced"]["stats"]["num_accepted_tokens"] == 6
+
+
+def test_a_child_that_fails_at_start_is_reported_and_stopped(tmp_path):
+    with pytest.raises(SPD.LiveError, match="no valid MLA prefill backend"):
+        start("speed-native", "fail", tmp_path)
+
+
+def test_a_child_that_does_not_answer_is_reported_and_stopped(tmp_path):
+    inst = start("speed-native", "hang", tmp_path)
+    with pytest.raises(SPD.LiveError, match="no answer within 1 s"):
+        inst.ask({"op": "bench", "batch": 1}, 1.0)
+    inst.group.stop()
+    assert group_members(inst.group.proc.pid) == []
+
+
+def test_a_child_that_never_connects_is_reported(tmp_path):
+    with pytest.raises(SPD.LiveError, match="exited .* before connecting"):
+        SPD.start_instance("speed-native", [sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ),
+                           tmp_path / "x.log", start_timeout_s=30)
