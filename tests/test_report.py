@@ -224,3 +224,22 @@ def test_run_facts_read_as_text_on_the_index() -> None:
     assert run_fact(["-p", "seed=1"]) == "-p seed=1"
     assert run_fact([]) == "-"
     assert run_fact("embedded") == "embedded"
+
+
+def test_overview_of_the_h200_run_explains_mismatches_and_qualifies_the_measured_speedup():
+    """Read back the metrics the GPU workbook recorded on 2026-12-03 (benchmarks/gpu/20261203-h200) and check what
+    the index says of them: a measured slowdown at batch 64 must say what it measured, mismatches must say where
+    the outputs part, and the per-layer probe reads in layer order."""
+    import json
+    from pathlib import Path
+
+    run = Path(__file__).resolve().parents[1] / "benchmarks/gpu/20261203-h200/workbook"
+    m = overview.merged(json.loads((run / "metrics.json").read_text())["metrics"])
+    rows = {r.label: r for g in overview.headline(m) for r in g.rows}
+    assert rows["measured speedup"].value == "0.258x"
+    assert "the same 64 prompts decoded at once" in rows["measured speedup"].context
+    greedy = rows["outputs equal greedy decoding"]
+    assert greedy.value == "no"
+    assert greedy.context.startswith("15 of 64 prompts differ, first at token 4 or later; 14 of 15 part where")
+    probe = rows["probe top-1 per layer"].value
+    assert probe.startswith("1: 44.0%, 2: 49.2%, 3: 53.4%") and probe.endswith("16: 87.6%")
