@@ -169,9 +169,13 @@ def live_child(job: dict[str, Any]) -> None:
                     for _ in range(job.get("warmup", 2)):
                         eng._run(llm, batch, sp)  # noqa: SLF001
                     warmed.add(b)
-                t0 = time.perf_counter()
-                outs = eng._run(llm, batch, sp)  # noqa: SLF001
-                ans = {"seconds": time.perf_counter() - t0, "tokens": sum(len(o) for o in outs)}
+                # One repetition is as many passes as fill rep_min_seconds: on 2026-12-03 single passes of
+                # 0.15-0.6 s varied by up to 2.3x within one engine (the host's pace, not the GPU's).
+                t0, calls, tokens = time.perf_counter(), 0, 0
+                while calls == 0 or time.perf_counter() - t0 < job.get("rep_min_seconds", 0.0):
+                    outs = eng._run(llm, batch, sp)  # noqa: SLF001
+                    calls, tokens = calls + 1, tokens + sum(len(o) for o in outs)
+                ans = {"seconds": time.perf_counter() - t0, "tokens": tokens, "calls": calls}
             elif msg["op"] == "close":
                 eng.close()
                 conn.send({"closed": True})
@@ -538,13 +542,15 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, 
 
 def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int | None,
                 engines: tuple[str, ...] = ("native", "forced", "native", "forced"), rounds: int = 10,
-                batches: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
+                batches: tuple[int, ...] = (1, 8, 32), rep_min_seconds: float = 1.0,
+                run: bool = True) -> dict[str, Any]:
     """Our forward forced against vLLM's native one, every instance alive at once (``eagle3lab.speed``).
 
     The instances start one after another; then each round times one repetition of every instance at every
     batch size, in an order rotated each round. Throughput per instance is the median of its repetitions;
     the forced/native ratio is also taken within each round, which cancels drift of the machine over the
-    suite's minutes. The repetitions go to OUT/ratio-reps.jsonl as they come.
+    suite's minutes. The repetitions go to OUT/ratio-reps.jsonl as they come; with ``run`` False nothing runs
+    and the figures are rebuilt from that file (a suite cut by its call's limit after its rounds).
     """
     import tempfile
 
@@ -564,6 +570,13 @@ def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int |
     opts = {"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": per, "max_model_len": 1024,
             "extra": {"max_num_seqs": max(batches)}}
     reps_file = out / "ratio-reps.jsonl"
+    if not run:
+        reps = [json.loads(x) for x in reps_file.read_text().splitlines() if x]
+        res = {"layers": layers or src_layers, "source_layers": src_layers, "rebuilt_from": reps_file.name, "k": k,
+               "rounds": 1 + max(r["round"] for r in reps), "batches": sorted({r["batch"] for r in reps}),
+               "engines": list(dict.fromkeys(r["name"] for r in reps)),
+               "note": "counters and outputs were not kept (they lived in the cut suite's memory)"}
+        return _ratio_figures(res, reps, {}, k)
     reps_file.write_text("")
     started: list[SPD.Instance] = []
     counters: dict[str, dict[str, Any]] = {}
@@ -577,7 +590,8 @@ def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int |
             if kind != "baseline":
                 env.update(plugin_env(**PATCH[kind]))
             job = {"name": name, "target": str(target), "options": opts, "prompts": prompts, "max_tokens": mt,
-                   "k": k, "drafter": None if kind == "baseline" else dr, "warmup": 2}
+                   "k": k, "drafter": None if kind == "baseline" else dr, "warmup": 2,
+                   "rep_min_seconds": rep_min_seconds}
             t0 = time.perf_counter()
             inst = SPD.start_instance(name, [sys.executable, __file__, "--live-child", json.dumps(job)], env,
                                       out / f"{name}.log", start_timeout_s=420)
@@ -600,14 +614,24 @@ def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int |
     finally:
         res["closed"] = SPD.close_all(started)
     res["failure"] = failure
-    results = SPD.interleaved_results(reps, counters)
-    res.update(SPD.figures(results, k))
-    res["paired_ratio"] = SPD.paired_ratios(reps)
-    res["verdict"] = SPD.ratio_verdict(res["paired_ratio"])
-    res["repetition_spread"] = SPD.repetition_spread(reps)
+    res["rep_min_seconds"] = rep_min_seconds
     res["engine_start_s"] = {m: c.get("engine_start_s") for m, c in counters.items()}
     res["workers"] = {m: c.get("workers") for m, c in counters.items()}
     res["gpu_processes_left_after_close"] = _gpu_pids()
+    # where native and forced outputs part (2026-12-03: 4 of 32 prompts did), the float32 target's margin there
+    res["divergence_native_forced"] = divergence_summary(
+        run_dir, prompts, counters.get("speed-native", {}).get("outputs"), counters.get("speed-forced", {}).get("outputs"))
+    return _ratio_figures(res, reps, counters, k)
+
+
+def _ratio_figures(res: dict[str, Any], reps: list[dict[str, Any]], counters: dict[str, dict[str, Any]],
+                   k: int) -> dict[str, Any]:
+    from eagle3lab import speed as SPD
+
+    res.update(SPD.figures(SPD.interleaved_results(reps, counters), k))
+    res["paired_ratio"] = SPD.paired_ratios(reps)
+    res["verdict"] = SPD.ratio_verdict(res["paired_ratio"])
+    res["repetition_spread"] = SPD.repetition_spread(reps)
     return res
 
 
@@ -675,6 +699,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="suite speed: layers of the deepened target (default 96); suite ratio: the same (default: as it is)")
     ap.add_argument("--rounds", type=int, default=10, help="suite ratio: rounds of interleaved repetitions")
+    ap.add_argument("--rep-min-seconds", type=float, default=1.0,
+                    help="suite ratio: a repetition repeats its batch until it has lasted this long")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
@@ -685,7 +711,7 @@ def main() -> int:
     ap.add_argument("--engines", default=None,
                     help="suite speed: the engines to run (default baseline,native,forced); suite ratio: the "
                          "instances alive at once (default native,forced,native,forced)")
-    ap.add_argument("--no-run", action="store_true", help="suite speed: rebuild the figures from kept results only")
+    ap.add_argument("--no-run", action="store_true", help="suites speed, ratio: rebuild the figures from kept results only")
     a = ap.parse_args()
     run_dir, out = Path(a.run_dir), Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -716,7 +742,8 @@ def main() -> int:
         (out / "speed.md").write_text(speed_table(res))
     elif a.suite == "ratio":
         res = suite_ratio(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers, rounds=a.rounds,
-                          engines=tuple((a.engines or "native,forced,native,forced").split(",")))
+                          engines=tuple((a.engines or "native,forced,native,forced").split(",")),
+                          rep_min_seconds=a.rep_min_seconds, run=not a.no_run)
         from eagle3lab.speed import ratio_table
 
         (out / "ratio.md").write_text(ratio_table(res))

@@ -199,16 +199,11 @@ def repetition_spread(reps: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, 
 
 def ratio_verdict(paired: Mapping[str, Mapping[str, Any]], target: float = 0.98) -> dict[str, str]:
     """Per batch size, what the per-round ratios say against ``target``: ``met`` when even the lowest round
-    reaches it, ``missed`` when even the highest stays below, else ``median met`` / ``median missed`` (the
-    rounds straddle the target: the noise is larger than the question)."""
+    reaches it, ``missed`` when even the highest stays below, else ``unresolved`` (the rounds straddle the
+    target: the noise is larger than the question, whatever side the median falls on)."""
     out = {}
     for b, p in paired.items():
-        if p["min"] >= target:
-            out[b] = "met"
-        elif p["max"] < target:
-            out[b] = "missed"
-        else:
-            out[b] = "median met" if p["median"] >= target else "median missed"
+        out[b] = "met" if p["min"] >= target else "missed" if p["max"] < target else "unresolved"
     return out
 
 
@@ -228,8 +223,8 @@ def ratio_table(res: Mapping[str, Any]) -> str:
             f"{'-' if sn is None else format(sn, '.3f')} | {'-' if sf is None else format(sf, '.3f')} | {verdict[b]} |")
     note = (f"{len(res['instances'].get('native', []))} native and {len(res['instances'].get('forced', []))} forced "
             f"engines alive at once, {res['rounds']} rounds, k={res['k']}, target of {res['layers']} layers; "
-            f"counters equal across every EAGLE-3 instance: {res.get('counters_equal_forced_native')}; "
-            f"prompts whose outputs differ, native vs forced: {res.get('mismatching_prompts_native_forced')}")
+            + _said("counters equal across every EAGLE-3 instance", res.get("counters_equal_forced_native"))
+            + _said("; prompts whose outputs differ, native vs forced", res.get("mismatching_prompts_native_forced")))
     return "\n".join(rows) + "\n\n" + note + ".\n"
 
 
@@ -362,3 +357,7 @@ def close_all(instances: Sequence[Instance], timeout_s: float = 60.0) -> dict[st
         finally:
             inst.group.stop()
     return said
+
+
+def _said(label: str, value: Any) -> str:
+    return f"{label}: {'not recorded' if value is None else value}"
