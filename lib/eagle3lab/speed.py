@@ -338,7 +338,8 @@ def run_interleaved(instances: Sequence[Instance], batches: Sequence[int], round
         for b in batches:
             for name in order:
                 ans = by_name[name].ask({"op": "bench", "batch": b}, timeout_s)
-                rep = {"round": rd, "batch": b, "name": name, "seconds": ans["seconds"], "tokens": ans["tokens"]}
+                rep = {"round": rd, "batch": b, "name": name, "seconds": ans["seconds"], "tokens": ans["tokens"],
+                       "calls": ans.get("calls", 1)}
                 reps.append(rep)
                 if on_rep is not None:
                     on_rep(rep)
@@ -346,12 +347,20 @@ def run_interleaved(instances: Sequence[Instance], batches: Sequence[int], round
 
 
 def close_all(instances: Sequence[Instance], timeout_s: float = 60.0) -> dict[str, str]:
-    """Ask each instance to close its engine, then stop its process group whatever it answered."""
-    said = {}
+    """Ask every instance to close its engine (all at once: an engine's shutdown takes seconds), then collect
+    the answers and stop each process group whatever it answered."""
+    said, asked = {}, []
     for inst in instances:
         try:
-            inst.ask({"op": "close"}, timeout_s)
-            said[inst.name] = "closed"
+            inst.conn.send({"op": "close"})
+            asked.append(inst)
+        except OSError as e:
+            said[inst.name] = f"not closed cleanly: {e}"
+    for inst in instances:
+        try:
+            if inst in asked:
+                _answer(inst.name, inst.group, inst.conn, timeout_s)
+                said[inst.name] = "closed"
         except (LiveError, OSError) as e:
             said[inst.name] = f"not closed cleanly: {e}"
         finally:
