@@ -543,7 +543,7 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, 
 def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int | None,
                 engines: tuple[str, ...] = ("native", "forced", "native", "forced"), rounds: int = 10,
                 batches: tuple[int, ...] = (1, 8, 32), rep_min_seconds: float = 1.0,
-                run: bool = True) -> dict[str, Any]:
+                run: bool = True, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Our forward forced against vLLM's native one, every instance alive at once (``eagle3lab.speed``).
 
     The instances start one after another; then each round times one repetition of every instance at every
@@ -568,7 +568,7 @@ def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int |
     dr = str(run_dir / "artifacts/drafter")
     per = max(0.1, round(0.8 / len(engines), 2))  # every instance at once on one GPU
     opts = {"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": per, "max_model_len": 1024,
-            "extra": {"max_num_seqs": max(batches)}}
+            "extra": {"max_num_seqs": max(batches)}, **(options or {})}
     reps_file = out / "ratio-reps.jsonl"
     if not run:
         reps = [json.loads(x) for x in reps_file.read_text().splitlines() if x]
@@ -699,6 +699,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="suite speed: layers of the deepened target (default 96); suite ratio: the same (default: as it is)")
     ap.add_argument("--rounds", type=int, default=10, help="suite ratio: rounds of interleaved repetitions")
+    ap.add_argument("--engine-options", help="suite ratio: JSON merged into the engines' options (a CPU smoke run: "
+                    '\'{"dtype": "float32", "enforce_eager": true, "attention_backend": "CPU_MLA"}\')')
     ap.add_argument("--rep-min-seconds", type=float, default=1.0,
                     help="suite ratio: a repetition repeats its batch until it has lasted this long")
     ap.add_argument("--prompts", type=int, default=32)
@@ -743,7 +745,8 @@ def main() -> int:
     elif a.suite == "ratio":
         res = suite_ratio(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers, rounds=a.rounds,
                           engines=tuple((a.engines or "native,forced,native,forced").split(",")),
-                          rep_min_seconds=a.rep_min_seconds, run=not a.no_run)
+                          rep_min_seconds=a.rep_min_seconds, run=not a.no_run,
+                          options=json.loads(a.engine_options) if a.engine_options else None)
         from eagle3lab.speed import ratio_table
 
         (out / "ratio.md").write_text(ratio_table(res))

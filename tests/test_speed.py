@@ -80,3 +80,15 @@ def test_committed_rerun_shows_the_instance_spread():
     ratio = {b: again["bench"][b]["tokens_per_s"] / R["speed-native"]["bench"][b]["tokens_per_s"] for b in ("1", "8", "32")}
     assert [round(ratio[b], 2) for b in ("1", "8", "32")] == [1.10, 1.03, 0.76]
     assert f["instance_spread"]["native"] == pytest.approx({b: max(r, 1 / r) for b, r in ratio.items()})
+
+
+def test_identical_counters_compare_equal_even_where_a_rate_is_nan():
+    """A position no draft reached has a NaN conditional rate; equal counters must still compare equal, and a
+    difference in any raw counter must still show."""
+    nan = float("nan")
+    st = {"num_drafts": 14, "num_draft_tokens": 42, "num_accepted_tokens": 0, "accepted_per_pos": [0, 0, 0],
+          "conditional_rate": [0.0, nan, nan]}
+    R = {"speed-native": result({"1": 30.0}, dict(st)), "speed-forced": result({"1": 31.0}, dict(st))}
+    assert SPD.figures(R, k=3)["counters_equal_forced_native"] is True
+    R["speed-forced"]["stats"] = dict(st, accepted_per_pos=[1, 0, 0], num_accepted_tokens=1)
+    assert SPD.figures(R, k=3)["counters_equal_forced_native"] is False
