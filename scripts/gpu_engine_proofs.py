@@ -187,13 +187,28 @@ def live_child(job: dict[str, Any]) -> None:
         conn.send(ans)
 
 
-def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None, timeout: float = 500) -> dict:
+def engine_env(patch: dict[str, bool] | None) -> dict[str, str]:
+    """This process's environment for an engine child: no inherited patch choice, then ``patch`` (a row of
+    PATCH) through our plugin's variables; None for vLLM untouched."""
     from eagle3lab.plugin import plugin_env
-    from eagle3lab.serve import run_in_group
 
     env = {k: v for k, v in os.environ.items() if k != "EAGLE3LAB_PATCH"}
     if patch is not None:
         env.update(plugin_env(**patch))
+    return env
+
+
+def deep_target_dir(layers: int) -> Path:
+    """Where the run's target deepened to ``layers`` layers is kept (shared by the suites: made once)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"eagle3lab-deep-{layers}"
+
+
+def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None, timeout: float = 500) -> dict:
+    from eagle3lab.serve import run_in_group
+
+    env = engine_env(patch)
     name = job["name"]
     js, log = out_dir / f"{name}.json", out_dir / f"{name}.log"
     job = {**job, "out": str(js)}
@@ -492,12 +507,11 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, 
     kept results. ``engines`` says which engines run, in order; a configuration named twice runs twice
     (``native,forced,native,forced``: engine instances differ, see ``eagle3lab.speed``).
     """
-    import tempfile
 
     from eagle3lab import speed as SPD
     from eagle3lab.target import deepen_target
 
-    deep = Path(tempfile.gettempdir()) / f"eagle3lab-deep-{layers}"
+    deep = deep_target_dir(layers)
     deepen_s = None
     prompts = _prompts(run_dir, n)
     dr = str(run_dir / "artifacts/drafter")
@@ -552,16 +566,14 @@ def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int |
     suite's minutes. The repetitions go to OUT/ratio-reps.jsonl as they come; with ``run`` False nothing runs
     and the figures are rebuilt from that file (a suite cut by its call's limit after its rounds).
     """
-    import tempfile
 
     from eagle3lab import speed as SPD
-    from eagle3lab.plugin import plugin_env
     from eagle3lab.target import deepen_target
 
     src_layers = json.loads((run_dir / "artifacts/target/config.json").read_text())["num_hidden_layers"]
     target = run_dir / "artifacts/target"
     if layers and layers != src_layers:
-        target = Path(tempfile.gettempdir()) / f"eagle3lab-deep-{layers}"
+        target = deep_target_dir(layers)
         if not (target / "config.json").is_file():
             deepen_target(run_dir / "artifacts/target", target, layers)
     prompts = _prompts(run_dir, n)
@@ -586,9 +598,7 @@ def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int |
     failure = None
     try:
         for kind, name in SPD.instances(engines):
-            env = {kk: v for kk, v in os.environ.items() if kk != "EAGLE3LAB_PATCH"}
-            if kind != "baseline":
-                env.update(plugin_env(**PATCH[kind]))
+            env = engine_env(None if kind == "baseline" else PATCH[kind])
             job = {"name": name, "target": str(target), "options": opts, "prompts": prompts, "max_tokens": mt,
                    "k": k, "drafter": None if kind == "baseline" else dr, "warmup": 2,
                    "rep_min_seconds": rep_min_seconds}
