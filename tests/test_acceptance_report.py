@@ -12,6 +12,7 @@ import pytest
 from eagle3lab import acceptance as A
 from eagle3lab import acceptance_report as AR
 from eagle3lab.acceptance import SpecDecodeStats
+from eagle3lab.engine import Batch1Timing
 
 
 def stats(k: int, accepted: list[int]) -> SpecDecodeStats:
@@ -110,11 +111,48 @@ def test_decode_with_engine_counts_mismatches_and_records():
     assert m["acceptance.decoded_stats"]["num_accepted_tokens"] == 5
 
 
+class TimingEngine(FakeEngine):
+    """A FakeEngine that also times prompts one at a time, as the vLLM engines do."""
+
+    def time_batch1(self, prompts, max_new_tokens):
+        self.calls.append(("batch1", len(prompts), max_new_tokens))
+        # 10 tokens per prompt in 0.1 s each: 100 tok/s without speculation
+        return Batch1Timing([0.1] * len(prompts), [10] * len(prompts))
+
+    def speculative_generate(self, prompts, *a, **kw):
+        res = super().speculative_generate(prompts, *a, **kw)
+        # the EAGLE-3 engine's per-prompt runs: the first two at 250 tok/s, the third slower
+        res.batch1 = Batch1Timing([0.04, 0.04, 1.0][: len(prompts)], [10] * len(prompts))
+        return res
+
+
+def test_decode_measures_the_batch1_speedup_on_the_same_first_prompts():
+    per = [stats(2, [2])] * 3
+    eng = TimingEngine([[1]] * 3, [[1]] * 3, per, seconds=(1.0, 2.0))
+    dec = AR.decode_with_engine(eng, [[0]] * 3, Path("d"), 2, 8, decode_prompts=3, batch1_prompts=2)
+    # the baseline is timed while the plain engine is up, before the EAGLE-3 engine starts
+    assert eng.calls == [("generate", 3, 8), ("batch1", 2, 8), ("spec", 3, 2, 0.0, None)]
+    # only the first two of the EAGLE-3 per-prompt runs count: 20 tokens in 0.08 s against 20 in 0.2 s
+    assert dec.batch1 == (pytest.approx(100.0), pytest.approx(250.0))
+    assert dec.measured_speedup_batch1 == pytest.approx(2.5) and dec.measured_speedup == 0.5
+    rows = dec.rows()
+    assert rows["wall time without / with EAGLE-3, 3 prompts at once"] == "1.00 s / 2.00 s (0.50x)"
+    assert rows["tokens/s without / with EAGLE-3, one prompt at a time (2 prompts)"] == "100 / 250 (2.50x)"
+    m = dec.metrics()
+    assert m["acceptance.measured_speedup_batch1"] == pytest.approx(2.5) and m["acceptance.batch1_prompts"] == 2
+    assert m["acceptance.batch1_tokens_per_s"] == {"baseline": pytest.approx(100.0), "eagle3": pytest.approx(250.0)}
+    # more batch-1 prompts asked for than decoded: the decoded ones
+    eng = TimingEngine([[1]] * 3, [[1]] * 3, per)
+    AR.decode_with_engine(eng, [[0]] * 5, Path("d"), 2, 8, decode_prompts=3, batch1_prompts=16)
+    assert eng.calls[1] == ("batch1", 3, 8)
+
+
 def test_decode_all_prompts_when_unset_and_no_speedup_without_wall_times():
     per = [stats(1, [1])] * 2
     dec = AR.decode_with_engine(FakeEngine([[1], [2]], [[1], [2]], per), [[0], [0]], Path("d"), 1, 4, None)
     assert dec.decoded == 2 and dec.mismatch == []
     assert dec.measured_speedup is None and "acceptance.measured_speedup" not in dec.metrics()
+    assert dec.measured_speedup_batch1 is None and "acceptance.measured_speedup_batch1" not in dec.metrics()
     assert dec.rows()["mismatching prompts"] == "0 of 2"
     assert "first differing token (min / median / max)" not in dec.rows()
     assert dec.metrics()["acceptance.first_divergence"] == {}
@@ -229,7 +267,9 @@ def test_tau_by_k_rows_metrics_and_note():
     assert "Modelled speedup at k = 2: **1.67×**" in res.note() and "best k here is 2 (1.67×)" in res.note()
     assert "No measured speedup" in res.note()
     measured = AR.tau_by_k(traces, 2, 2.5, (0.001, 0.004, 0.25), 1.234, seed=0)
-    assert measured.note().endswith("Measured by the engine: **1.23×**.")
+    assert "Measured by the engine, warm: **1.23×** with the prompts decoded at once." in measured.note()
+    both = AR.tau_by_k(traces, 2, 2.5, (0.001, 0.004, 0.25), 0.5, seed=0, measured_speedup_batch1=1.5)
+    assert "**0.50×** with the prompts decoded at once, **1.50×** one prompt at a time." in both.note()
 
 
 def test_temperature_summary():

@@ -243,3 +243,14 @@ def test_overview_of_the_h200_run_explains_mismatches_and_qualifies_the_measured
     assert greedy.context.startswith("15 of 64 prompts differ, first at token 4 or later; 14 of 15 part where")
     probe = rows["probe top-1 per layer"].value
     assert probe.startswith("1: 44.0%, 2: 49.2%, 3: 53.4%") and probe.endswith("16: 87.6%")
+    assert "measured speedup, batch 1" not in rows  # that run did not time prompts one at a time
+
+
+def test_overview_shows_the_batch1_speedup_with_its_figures():
+    m = overview.merged({"05_acceptance": {"acceptance.measured_speedup": 0.3, "acceptance.decoded_prompts": 64,
+                                           "acceptance.measured_speedup_batch1": 1.42, "acceptance.batch1_prompts": 16,
+                                           "acceptance.batch1_tokens_per_s": {"baseline": 300.0, "eagle3": 426.0}}})
+    rows = {r.label: r for g in overview.headline(m) for r in g.rows}
+    assert rows["measured speedup, batch 1"].value == "1.42x"
+    assert rows["measured speedup, batch 1"].context == (
+        "MEASURED: output tokens/s one prompt at a time, 16 prompts, warm engines: 426 with EAGLE-3 against 300 without")

@@ -285,6 +285,8 @@ def test_engine_generate_and_speculative_against_standin(tmp_path):
         out = eng.generate(prompts, 6)
         assert out == [[4, 5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16], [0, 1, 2, 3, 4, 5]]  # the stand-in's rule
         first = eng.server
+        alone = eng.time_batch1(prompts[:2], 6)  # the baseline one at a time, on the same server
+        assert eng.server is first and alone.tokens == [6, 6] and all(s > 0 for s in alone.seconds)
         res = eng.speculative_generate(prompts, drafter, 3, 6)
         assert first.pgid != eng.server.pgid and wait_gone(first.pgid, 0) == []  # one server at a time
         assert res.outputs == out
@@ -294,8 +296,10 @@ def test_engine_generate_and_speculative_against_standin(tmp_path):
         assert res.stats == sum(res.per_prompt, SpecDecodeStats(accepted_per_pos=[0, 0, 0]))
         assert res.stats.num_draft_tokens == 3 * 3 * rounds and res.stats.accepted_per_pos == [3 * rounds, 0, 0]
         assert res.decode_seconds > 0 and res.baseline_seconds > 0  # same workload as the generate above
+        assert res.batch1.tokens == [6, 6, 6] and all(s > 0 for s in res.batch1.seconds)  # the per-prompt runs
         again = eng.speculative_generate(prompts[:1], drafter, 3, 5, per_prompt=False)  # same server
         assert again.stats.num_drafts == 2 and again.per_prompt is None and again.baseline_seconds is None
+        assert again.batch1 is None
         assert len(eng.launches) == 2
         assert [x["label"] for x in eng.launches] == ["baseline", "eagle3-k3-drafter"]
         assert all(Path(x["log"]).is_file() for x in eng.launches)

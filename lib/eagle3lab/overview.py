@@ -196,6 +196,11 @@ def headline(m: Mapping[str, Any]) -> list[Group]:
                   + (f"the same {n} prompts decoded at once" if n else "the same prompts decoded at once")
                   + "; at large batches on a small target the drafter's overhead outweighs what it saves (batch 1 on "
                   "a deeper target: benchmarks/gpu)")
+    if m.get("acceptance.measured_speedup_batch1") is not None:
+        tps = m.get("acceptance.batch1_tokens_per_s") or {}
+        speed.add("measured speedup, batch 1", f"{num(m['acceptance.measured_speedup_batch1'])}x",
+                  f"MEASURED: output tokens/s one prompt at a time, {m.get('acceptance.batch1_prompts')} prompts, warm "
+                  f"engines: {num(tps.get('eagle3'))} with EAGLE-3 against {num(tps.get('baseline'))} without")
     if m.get("acceptance.modelled_speedup") is not None:
         speed.add("modelled speedup", f"{num(m['acceptance.modelled_speedup'])}x",
                   f"MODELLED: tau / (1 + k * c) with c = {num(m.get('acceptance.cost_ratio'))}, the measured "

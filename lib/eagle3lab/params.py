@@ -255,6 +255,10 @@ class AcceptanceParams(_Strict):
     # check against greedy decoding, and the check of the exact greedy replay that gives every other
     # T=0 figure); None: all num_prompts. The reference decoder recomputes whole sequences: slow.
     decode_prompts: int | None = Field(8, ge=1)
+    # The first of those decoded once more without speculation, one at a time, on engines that time their runs
+    # (vLLM): with the EAGLE-3 engine's per-prompt runs, the speedup measured at batch 1. The reference decoder
+    # does not time (it recomputes whole sequences).
+    batch1_prompts: int = Field(16, ge=1)
     # tau against k = 1..max_k, same drafter (exact greedy replay: no extra decoding).
     max_k: int = Field(7, ge=1)
     # Temperatures decoded with rejection sampling besides 0, on the first sampled_prompts prompts.

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lab.acceptance import METRIC_PREFIX, SpecDecodeStats, stats_from_vllm_metrics
-from eagle3lab.engine import SpeculativeResult, _check_prompts, cut_at_eos, workload_key
+from eagle3lab.engine import Batch1Timing, SpeculativeResult, _check_prompts, cut_at_eos, workload_key
 
 HOST = "127.0.0.1"
 # The per-position counter is one Prometheus counter with a "position" label
@@ -735,6 +735,18 @@ class VllmServedEngine:
         self._last_plain = (workload_key(prompt_ids, max_new_tokens, temperature), time.perf_counter() - t0)
         return out
 
+    def time_batch1(self, prompt_ids: list[list[int]], max_new_tokens: int) -> Batch1Timing:
+        """Greedy requests to the baseline server one at a time, each timed (the batch-1 baseline)."""
+        _check_prompts(prompt_ids)
+        self._server_for(None)
+        timing = Batch1Timing([], [])
+        for i, p in enumerate(prompt_ids):
+            t0 = time.perf_counter()
+            out = self._complete(p, max_new_tokens, 0.0, 1.0, i)
+            timing.seconds.append(time.perf_counter() - t0)
+            timing.tokens.append(len(out))
+        return timing
+
     def spec_decode_stats(self) -> SpecDecodeStats:
         """Cumulative spec-decode counters of the running server."""
         if self.server is None:
@@ -774,10 +786,14 @@ class VllmServedEngine:
         plain = self._last_plain
         baseline_s = plain[1] if plain and plain[0] == workload_key(prompt_ids, max_new_tokens, temperature) else None
         each: list[SpecDecodeStats] | None = None
+        batch1: Batch1Timing | None = None
         if per_prompt:
-            each = []
+            each, batch1 = [], Batch1Timing([], [])
             for i, p in enumerate(prompt_ids):
-                self._complete(p, max_new_tokens, temperature, 1.0, seed + i)
+                t1 = time.perf_counter()
+                out = self._complete(p, max_new_tokens, temperature, 1.0, seed + i)
+                batch1.seconds.append(time.perf_counter() - t1)
+                batch1.tokens.append(len(out))
                 now = server.metrics_text()
                 each.append(_with_positions(stats_from_metrics_text(prev, now), k))
                 prev = now
@@ -790,7 +806,7 @@ class VllmServedEngine:
                     stacklevel=2,
                 )
         return SpeculativeResult(outputs=outputs, stats=total, per_prompt=each, decode_seconds=decode_s,
-                                 baseline_seconds=baseline_s)
+                                 baseline_seconds=baseline_s, batch1=batch1)
 
 
 def _with_positions(stats: SpecDecodeStats, k: int) -> SpecDecodeStats:
