@@ -170,7 +170,7 @@ class EngineDecode:
         if self.measured_speedup is not None:
             out["acceptance.measured_speedup"] = self.measured_speedup
         if self.measured_speedup_batch1 is not None:
-            base, spec = self.batch1 or (None, None)
+            base, spec = self.batch1  # set whenever the speedup is
             out |= {"acceptance.measured_speedup_batch1": self.measured_speedup_batch1,
                     "acceptance.batch1_prompts": len(self.batch1_baseline.seconds),
                     "acceptance.batch1_tokens_per_s": {"baseline": base, "eagle3": spec}}

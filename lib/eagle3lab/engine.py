@@ -7,8 +7,9 @@ same notebook runs on a laptop with :class:`ReferenceEngine` and on GPUs with a 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -43,8 +44,16 @@ class Batch1Timing:
     proposer costs more than it saves (0.26x on the H200, 2026-12-03). Latency-bound serving runs near batch 1.
     """
 
-    seconds: list[float]
-    tokens: list[int]
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def timed(self, decode: Callable[[], list[int]]) -> list[int]:
+        """Run one prompt's ``decode`` and record its wall seconds and output tokens; returns the output."""
+        t0 = time.perf_counter()
+        out = decode()
+        self.seconds.append(time.perf_counter() - t0)
+        self.tokens.append(len(out))
+        return out
 
     def first(self, n: int) -> Batch1Timing:
         """The first ``n`` prompts' figures, to compare with a timing of those prompts only."""
@@ -355,7 +364,6 @@ class VllmEngine:
     def llm(self, speculative_config: dict[str, Any] | None = None) -> Any:
         """The live ``vllm.LLM`` for this speculative config (None: no speculation), started if needed."""
         import os
-        import time
 
         if self._llm is not None and self._spec == speculative_config:
             return self._llm
@@ -436,8 +444,6 @@ class VllmEngine:
         seed: int = 0,
     ) -> list[list[int]]:
         """New tokens per prompt from the target alone (no speculation), ending at EOS (included)."""
-        import time
-
         _check_prompts(prompt_ids)
         llm = self.llm(None)
         sp = self._sampling(max_new_tokens, temperature, top_p, seed)
@@ -450,19 +456,14 @@ class VllmEngine:
 
     def time_batch1(self, prompt_ids: list[list[int]], max_new_tokens: int) -> Batch1Timing:
         """Greedy decoding without speculation, one prompt at a time, each timed (the batch-1 baseline)."""
-        import time
-
         _check_prompts(prompt_ids)
         llm = self.llm(None)
         sp = self._sampling(max_new_tokens, 0.0, 1.0, 0)
         self._warm_up(llm, prompt_ids, sp)
-        seconds, tokens = [], []
+        timing = Batch1Timing()
         for p in prompt_ids:
-            t0 = time.perf_counter()
-            out = self._run(llm, [p], sp)
-            seconds.append(time.perf_counter() - t0)
-            tokens.append(len(out[0]))
-        return Batch1Timing(seconds, tokens)
+            timing.timed(lambda p=p: self._run(llm, [p], sp)[0])
+        return timing
 
     def speculative_generate(
         self,
@@ -479,7 +480,6 @@ class VllmEngine:
         The whole batch runs once (outputs and totals); with ``per_prompt`` every prompt then runs alone
         so that its counters can be told apart (vLLM's counters are engine-wide, not per request).
         """
-        import time
 
         from eagle3lab.acceptance import stats_from_vllm_metrics
 
@@ -499,13 +499,10 @@ class VllmEngine:
         baseline_s = plain[1] if plain and plain[0] == workload_key(prompt_ids, max_new_tokens, temperature) else None
         each, batch1 = None, None
         if per_prompt:
-            each, batch1 = [], Batch1Timing([], [])
+            each, batch1 = [], Batch1Timing()
             for p in prompt_ids:
                 b = llm.get_metrics()
-                t1 = time.perf_counter()
-                out = self._run(llm, [p], sp)
-                batch1.seconds.append(time.perf_counter() - t1)
-                batch1.tokens.append(len(out[0]))
+                batch1.timed(lambda p=p: self._run(llm, [p], sp)[0])
                 each.append(stats_from_vllm_metrics(b, llm.get_metrics()))
         return SpeculativeResult(outputs=outputs, stats=stats, per_prompt=each, decode_seconds=decode_s,
                                  baseline_seconds=baseline_s, batch1=batch1)
@@ -556,7 +553,6 @@ def probe_launch(
     import json
     import os
     import sys
-    import time
 
     from eagle3lab.serve import run_in_group
 

@@ -739,12 +739,9 @@ class VllmServedEngine:
         """Greedy requests to the baseline server one at a time, each timed (the batch-1 baseline)."""
         _check_prompts(prompt_ids)
         self._server_for(None)
-        timing = Batch1Timing([], [])
+        timing = Batch1Timing()
         for i, p in enumerate(prompt_ids):
-            t0 = time.perf_counter()
-            out = self._complete(p, max_new_tokens, 0.0, 1.0, i)
-            timing.seconds.append(time.perf_counter() - t0)
-            timing.tokens.append(len(out))
+            timing.timed(lambda p=p, i=i: self._complete(p, max_new_tokens, 0.0, 1.0, i))
         return timing
 
     def spec_decode_stats(self) -> SpecDecodeStats:
@@ -788,12 +785,9 @@ class VllmServedEngine:
         each: list[SpecDecodeStats] | None = None
         batch1: Batch1Timing | None = None
         if per_prompt:
-            each, batch1 = [], Batch1Timing([], [])
+            each, batch1 = [], Batch1Timing()
             for i, p in enumerate(prompt_ids):
-                t1 = time.perf_counter()
-                out = self._complete(p, max_new_tokens, temperature, 1.0, seed + i)
-                batch1.seconds.append(time.perf_counter() - t1)
-                batch1.tokens.append(len(out))
+                batch1.timed(lambda p=p, i=i: self._complete(p, max_new_tokens, temperature, 1.0, seed + i))
                 now = server.metrics_text()
                 each.append(_with_positions(stats_from_metrics_text(prev, now), k))
                 prev = now
