@@ -583,7 +583,7 @@ def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int |
             "extra": {"max_num_seqs": max(batches)}, **(options or {})}
     reps_file = out / "ratio-reps.jsonl"
     if not run:
-        reps = [json.loads(x) for x in reps_file.read_text().splitlines() if x]
+        reps = SPD.timed_reps([json.loads(x) for x in reps_file.read_text().splitlines() if x])
         res = {"layers": layers or src_layers, "source_layers": src_layers, "rebuilt_from": reps_file.name, "k": k,
                "rounds": 1 + max(r["round"] for r in reps), "batches": sorted({r["batch"] for r in reps}),
                "engines": list(dict.fromkeys(r["name"] for r in reps)),

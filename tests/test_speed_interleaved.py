@@ -37,7 +37,17 @@ def test_paired_ratio_is_taken_within_each_round():
 def test_verdicts_say_when_the_rounds_straddle_the_target():
     pr = {"1": {"median": 0.99, "min": 0.985, "max": 1.0}, "8": {"median": 0.95, "min": 0.94, "max": 0.97},
           "32": {"median": 0.99, "min": 0.9, "max": 1.1}, "64": {"median": 0.97, "min": 0.9, "max": 1.1}}
+    pr = {b: {**p, "rounds": 8} for b, p in pr.items()}
     assert SPD.ratio_verdict(pr) == {"1": "met", "8": "missed", "32": "unresolved", "64": "unresolved"}
+
+
+def test_too_few_rounds_get_no_verdict():
+    # 2026-12-03: a cut suite's 2 rounds lay on one side of 0.98 at batches 1 and 8; that is no evidence
+    pr = {"1": {"median": 1.03, "min": 1.014, "max": 1.052, "rounds": 2},
+          "8": {"median": 0.85, "min": 0.823, "max": 0.868, "rounds": 4},
+          "32": {"median": 1.0, "min": 0.99, "max": 1.01, "rounds": 5}}
+    assert SPD.ratio_verdict(pr) == {"1": "too few rounds (2 < 5)", "8": "too few rounds (4 < 5)", "32": "met"}
+    assert SPD.ratio_verdict(pr, min_rounds=2)["8"] == "missed"
 
 
 def test_interleaved_results_feed_the_figures():
@@ -92,8 +102,14 @@ def test_live_children_are_timed_in_turn_and_stopped(tmp_path):
     said = SPD.close_all(insts)
     assert said == {"speed-native": "closed", "speed-forced": "closed"}
     assert all(group_members(i.group.proc.pid) == [] for i in insts)  # nothing of either child is left
-    assert kept == reps and len(reps) == 2 * 2 * 3
-    assert [r["name"] for r in reps if r["round"] == 1 and r["batch"] == 1] == ["speed-forced", "speed-native"]
+    # one untimed round first, kept on disk but not among the figures
+    warm = [r for r in kept if r.get("warmup")]
+    assert len(warm) == 2 * 2 and {r["round"] for r in warm} == {-1}
+    assert [r for r in kept if not r.get("warmup")] == reps == SPD.timed_reps(kept) and len(reps) == 2 * 2 * 3
+    assert {r["round"] for r in reps} == {0, 1, 2}
+    # the rotation goes on through the warm-up: each timed round starts with a different instance
+    assert [r["name"] for r in reps if r["round"] == 0 and r["batch"] == 1] == ["speed-forced", "speed-native"]
+    assert [r["name"] for r in reps if r["round"] == 1 and r["batch"] == 1] == ["speed-native", "speed-forced"]
     p = SPD.paired_ratios(reps)
     assert p["1"]["median"] == pytest.approx(2.0) and p["8"]["rounds"] == 3
     assert counters["speed-forced"]["stats"]["num_accepted_tokens"] == 6
@@ -155,8 +171,11 @@ def test_ratio_suite_on_real_vllm_cpu_engines(tmp_path):
     forwards = {m: [w["inner_forward"] for w in ws] for m, ws in res["workers"].items()}
     assert forwards["speed-native"][0].startswith("vllm.") and forwards["speed-forced"][0].startswith("eagle3lab.patch")
     reps = [json.loads(x) for x in (out / "ratio-reps.jsonl").read_text().splitlines()]
-    assert len(reps) == 2 * 3 and all(r["seconds"] >= 0.3 and r["calls"] >= 1 for r in reps)
+    assert len(reps) == 2 * 3 * 2 and all(r["seconds"] >= 0.3 and r["calls"] >= 1 for r in reps)
+    assert sum(bool(r.get("warmup")) for r in reps) == 2 * 3  # the untimed round, kept but not counted
     assert res["stats_native"]["num_drafts"] > 0 and set(res["paired_ratio"]) == {"1", "8", "32"}
+    assert all(p["rounds"] == 1 for p in res["paired_ratio"].values())
+    assert set(res["verdict"].values()) == {"too few rounds (1 < 5)"}
     assert (out / "ratio.md").read_text().startswith("| batch |")
     left = subprocess.run(["pgrep", "-f", "gpu_engine_proofs.py --live-child"], capture_output=True, text=True)
     assert left.stdout.strip() == ""

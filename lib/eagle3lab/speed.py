@@ -205,13 +205,22 @@ def repetition_spread(reps: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, 
     return out
 
 
-def ratio_verdict(paired: Mapping[str, Mapping[str, Any]], target: float = 0.98) -> dict[str, str]:
+MIN_VERDICT_ROUNDS = 5
+
+
+def ratio_verdict(paired: Mapping[str, Mapping[str, Any]], target: float = 0.98,
+                  min_rounds: int = MIN_VERDICT_ROUNDS) -> dict[str, str]:
     """Per batch size, what the per-round ratios say against ``target``: ``met`` when even the lowest round
     reaches it, ``missed`` when even the highest stays below, else ``unresolved`` (the rounds straddle the
-    target: the noise is larger than the question, whatever side the median falls on)."""
+    target: the noise is larger than the question, whatever side the median falls on). Fewer than
+    ``min_rounds`` rounds get no verdict: on 2026-12-03 two rounds of a cut suite read "met" and "missed" on
+    swings that later rounds could have reversed."""
     out = {}
     for b, p in paired.items():
-        out[b] = "met" if p["min"] >= target else "missed" if p["max"] < target else "unresolved"
+        if p["rounds"] < min_rounds:
+            out[b] = f"too few rounds ({p['rounds']} < {min_rounds})"
+        else:
+            out[b] = "met" if p["min"] >= target else "missed" if p["max"] < target else "unresolved"
     return out
 
 
@@ -219,7 +228,7 @@ def ratio_table(res: Mapping[str, Any]) -> str:
     """The interleaved suite's figures as a markdown table and a note."""
     rows = ["| batch | native tok/s (median over instances) | forced tok/s | forced / native, pooled | "
             "per-round forced / native: median [min, max] (rounds) | spread between native instances | "
-            "between forced instances | verdict (>= 0.98) |", "|---|---|---|---|---|---|---|---|"]
+            f"between forced instances | verdict (>= 0.98, {MIN_VERDICT_ROUNDS}+ rounds) |", "|---|---|---|---|---|---|---|---|"]
     pr, sp, verdict = res["paired_ratio"], res.get("instance_spread") or {}, res["verdict"]
     for b, p in pr.items():
         sn, sf = sp.get("native", {}).get(b), sp.get("forced", {}).get(b)
@@ -336,22 +345,36 @@ def start_instance(name: str, argv: Sequence[str], env: Mapping[str, str], log_p
 
 
 def run_interleaved(instances: Sequence[Instance], batches: Sequence[int], rounds: int,
-                    on_rep: Any = None, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+                    on_rep: Any = None, timeout_s: float = 300.0, warmup_rounds: int = 1) -> list[dict[str, Any]]:
     """Time one repetition per instance and batch size in each round, in :func:`rotation` order; returns the
     repetitions (``round``, ``batch``, ``name``, ``seconds``, ``tokens``), each also passed to ``on_rep`` as it
-    comes (to keep it on disk: nothing is lost when a call's time limit cuts the suite)."""
+    comes (to keep it on disk: nothing is lost when a call's time limit cuts the suite).
+
+    ``warmup_rounds`` whole rounds come first and are not returned (``on_rep`` sees them with ``warmup``
+    True and a negative ``round``): on 2026-12-03 a fresh engine's first one-second repetition at batch 32 ran
+    at half the pace of its second, after the child's own untimed passes."""
     by_name = {i.name: i for i in instances}
     reps = []
-    for rd, order in enumerate(rotation([i.name for i in instances], rounds)):
+    names = [i.name for i in instances]
+    plan = [(rd - warmup_rounds, order) for rd, order in enumerate(rotation(names, warmup_rounds + rounds))]
+    for rd, order in plan:
         for b in batches:
             for name in order:
                 ans = by_name[name].ask({"op": "bench", "batch": b}, timeout_s)
                 rep = {"round": rd, "batch": b, "name": name, "seconds": ans["seconds"], "tokens": ans["tokens"],
                        "calls": ans.get("calls", 1)}
-                reps.append(rep)
+                if rd < 0:
+                    rep["warmup"] = True
+                else:
+                    reps.append(rep)
                 if on_rep is not None:
                     on_rep(rep)
     return reps
+
+
+def timed_reps(reps: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The repetitions that count: a kept ``ratio-reps.jsonl`` also holds the warm-up rounds."""
+    return [r for r in reps if not r.get("warmup")]
 
 
 def close_all(instances: Sequence[Instance], timeout_s: float = 60.0) -> dict[str, str]:
