@@ -195,3 +195,13 @@ def test_engine_vs_reference_side_by_side_with_the_h200_figures():
     assert not A.engine_vs_reference(far, ref).agree
     with pytest.raises(ValueError, match="no drafting rounds"):
         A.engine_vs_reference(A.SpecDecodeStats(), ref)
+
+
+def test_implied_cost_ratio_inverts_the_modelled_speedup():
+    from eagle3lab.acceptance import implied_cost_ratio, modelled_speedup
+
+    c = implied_cost_ratio(2.5, 3, 400.0, 400.0 * modelled_speedup(2.5, 3, 0.2))
+    assert c == pytest.approx(0.2)
+    assert implied_cost_ratio(2.494, 3, 396.363, 334.703) == pytest.approx(0.651, abs=1e-3)  # 2026-12-03, H200
+    with pytest.raises(ValueError):
+        implied_cost_ratio(2.5, 0, 1.0, 1.0)

@@ -219,8 +219,8 @@ def test_run_facts_read_as_text_on_the_index() -> None:
 
     resumed = [{"at": "2026-12-01T18:14:38+00:00", "host": "vm", "rerun": ["02_patch", "03_engine"]},
                {"at": "2026-12-01T18:20:00+00:00", "host": "vm", "rerun": ["05_acceptance"]}]
-    assert run_fact(resumed) == ("2026-12-01T18:14:38+00:00 on vm: ran again 02_patch, 03_engine; "
-                                 "2026-12-01T18:20:00+00:00 on vm: ran again 05_acceptance")
+    assert run_fact(resumed) == ("2026-12-01T18:14:38+00:00 on vm: ran the steps not done before: 02_patch, 03_engine; "
+                                 "2026-12-01T18:20:00+00:00 on vm: ran the steps not done before: 05_acceptance")
     assert run_fact(["-p", "seed=1"]) == "-p seed=1"
     assert run_fact([]) == "-"
     assert run_fact("embedded") == "embedded"
@@ -254,3 +254,20 @@ def test_overview_shows_the_batch1_speedup_with_its_figures():
     assert rows["measured speedup, batch 1"].value == "1.42x"
     assert rows["measured speedup, batch 1"].context == (
         "MEASURED: output tokens/s one prompt at a time, 16 prompts, warm engines: 426 with EAGLE-3 against 300 without")
+
+
+def test_overview_of_the_third_1203_gpu_run_reads_its_batch1_figures():
+    """benchmarks/gpu/20261203-h200-c: the first GPU run of 05 with batch-1 timing. EAGLE-3 was slower at batch 1
+    (334.7 vs 396.4 tok/s) while transformers-timed c = 0.05 modelled 2.2x: the index must show the engine's own
+    draft cost beside it, and must not call the batch-64 figure (1.22x, a gain) an overhead loss."""
+    import json
+    from pathlib import Path
+
+    run = Path(__file__).resolve().parents[1] / "benchmarks/gpu/20261203-h200-c/workbook"
+    m = overview.merged(json.loads((run / "metrics.json").read_text())["metrics"])
+    rows = {r.label: r for g in overview.headline(m) for r in g.rows}
+    assert rows["measured speedup, batch 1"].value == "0.844x"
+    ctx = rows["measured speedup, batch 1"].context
+    assert "335 with EAGLE-3 against 396 without" in ctx
+    assert "one draft step costs the engine 0.651 of a target step" in ctx and "c = 0.0497" in ctx
+    assert rows["measured speedup"].value == "1.22x" and "outweighs" not in rows["measured speedup"].context

@@ -444,6 +444,21 @@ def modelled_speedup(tau: float, k: int, cost_ratio: float) -> float:
     return tau / (1 + k * cost_ratio)
 
 
+def implied_cost_ratio(tau: float, k: int, baseline_tokens_per_s: float, eagle3_tokens_per_s: float) -> float:
+    """The c that makes :func:`modelled_speedup` equal a measured speedup: the engine's cost of one draft step,
+    verification and scheduling included, in target decode steps.
+
+    A round of τ tokens takes τ / eagle3_tokens_per_s; a target step 1 / baseline_tokens_per_s; so
+    c = (τ · baseline / eagle3 − 1) / k. It can differ from the c timed on transformers forwards by tenfold: on
+    2026-12-03 the 16-layer GPU target's engine gave 0.65 at batch 1 against 0.05 in eager transformers, where
+    the target's Python-launched layers, not the draft, dominate a step.
+    """
+    if k < 1 or tau <= 0 or baseline_tokens_per_s <= 0 or eagle3_tokens_per_s <= 0:
+        raise ValueError(f"need k >= 1 and positive tau and throughputs (got {k}, {tau}, "
+                         f"{baseline_tokens_per_s}, {eagle3_tokens_per_s})")
+    return (tau * baseline_tokens_per_s / eagle3_tokens_per_s - 1) / k
+
+
 # ---------------------------------------------------------------------------------------------------------
 # per-round records (format: /work/notes/acceptance-records.md, repeated in read_records' docstring)
 

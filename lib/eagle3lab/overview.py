@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagle3lab.acceptance import implied_cost_ratio
 from eagle3lab.report import PLOTLY_JS, escape, figure_html
 from eagle3lab.workbook import CAVEATS_KEY, CONCLUSION_KEY
 
@@ -42,11 +43,24 @@ class Group:
             self.rows.append(Row(label, value, context))
 
 
+def _implied_cost(m: Mapping[str, Any], tps: Mapping[str, Any]) -> str:
+    """The engine's own draft cost, from the batch-1 figures, to set beside the transformers-timed c."""
+    tau = (m.get("acceptance.decoded_stats") or {}).get("mean_acceptance_length") or m.get("acceptance.mean_acceptance_length")
+    k = m.get("acceptance.k")
+    if not (tau and k and tps.get("baseline") and tps.get("eagle3")):
+        return ""
+    c = implied_cost_ratio(tau, int(k), tps["baseline"], tps["eagle3"])
+    return (f"; so one draft step costs the engine {num(c)} of a target step (c implied with the engine's tau "
+            f"{num(tau)} over all decoded prompts), against c = {num(m.get('acceptance.cost_ratio'))} timed in "
+            "transformers below")
+
+
 def run_fact(value: Any) -> str:
     """One value of the run's facts as the index page shows it: lists space-separated, a resumption as when,
-    where and which steps ran again (not a Python dict)."""
+    where and which steps it ran, those pending or failed before (not a Python dict)."""
     if isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
-        return "; ".join(f"{x.get('at', '?')} on {x.get('host', '?')}: ran again " + ", ".join(x.get("rerun") or ["-"])
+        return "; ".join(f"{x.get('at', '?')} on {x.get('host', '?')}: ran the steps not done before: "
+                         + ", ".join(x.get("rerun") or ["-"])
                          for x in value)
     if isinstance(value, list):
         return " ".join(map(str, value)) or "-"
@@ -194,13 +208,14 @@ def headline(m: Mapping[str, Any]) -> list[Group]:
         speed.add("measured speedup", f"{num(m['acceptance.measured_speedup'])}x",
                   "MEASURED on a real engine: wall time without over with EAGLE-3, warm engines (start excluded), "
                   + (f"the same {n} prompts decoded at once" if n else "the same prompts decoded at once")
-                  + "; at large batches on a small target the drafter's overhead outweighs what it saves (batch 1 on "
-                  "a deeper target: benchmarks/gpu)")
+                  + ("; at large batches on a small target the drafter's overhead outweighs what it saves (batch 1 "
+                     "on a deeper target: benchmarks/gpu)" if m["acceptance.measured_speedup"] < 1 else ""))
     if m.get("acceptance.measured_speedup_batch1") is not None:
         tps = m.get("acceptance.batch1_tokens_per_s") or {}
         speed.add("measured speedup, batch 1", f"{num(m['acceptance.measured_speedup_batch1'])}x",
                   f"MEASURED: output tokens/s one prompt at a time, {m.get('acceptance.batch1_prompts')} prompts, warm "
-                  f"engines: {num(tps.get('eagle3'))} with EAGLE-3 against {num(tps.get('baseline'))} without")
+                  f"engines: {num(tps.get('eagle3'))} with EAGLE-3 against {num(tps.get('baseline'))} without"
+                  + _implied_cost(m, tps))
     if m.get("acceptance.modelled_speedup") is not None:
         speed.add("modelled speedup", f"{num(m['acceptance.modelled_speedup'])}x",
                   f"MODELLED: tau / (1 + k * c) with c = {num(m.get('acceptance.cost_ratio'))}, the measured "
