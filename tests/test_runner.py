@@ -70,6 +70,10 @@ def test_run_writes_record_and_offline_html(workbook):
     # a second run never overwrites the first
     res2 = runner.run(only=["02"], progress=False)
     assert res2.run_dir != d and [s.name for s in res2.steps] == ["02_second"]
+    # the step it left out is recorded, and said on the index, so that its absence reads as chosen
+    assert json.loads((res2.run_dir / "metrics.json").read_text())["run"]["left_out"] == ["01_first"]
+    assert "<td>left_out</td><td>01_first</td>" in (res2.run_dir / "index.html").read_text()
+    assert "left_out" not in m["run"]  # the full run left nothing out
 
 
 def test_failing_notebook_is_reported_and_later_steps_skipped(workbook, capsys):

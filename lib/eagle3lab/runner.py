@@ -180,7 +180,8 @@ def run(
     root = repo_root()
     pfile = Path(params_file) if params_file else root / "params" / "embedded.yaml"
     p = params_mod.load(pfile, overrides)
-    steps = select_notebooks(discover_notebooks(root), only or p.notebooks)
+    available = discover_notebooks(root)
+    steps = select_notebooks(available, only or p.notebooks)
     if not steps:
         raise params_mod.ParamsError(str(pfile), "notebooks", f"no notebooks found under {root / 'notebooks'}")
     stop_after = select_notebooks(steps, [until])[0].stem if until else None
@@ -197,6 +198,10 @@ def run(
         "host": platform.node(),
         "python": sys.executable,
     }
+    # A reader of the index must see that a step is absent by choice, not lost: the run records what it left out.
+    left_out = [nb.stem for nb in available if nb not in steps]
+    if left_out:
+        info["left_out"] = left_out
     result = RunResult(run_dir, [StepResult(nb.stem) for nb in steps])
     return _execute(root, p, injected, steps, result, info, progress, stop_after)
 
