@@ -641,6 +641,7 @@ def _ratio_figures(res: dict[str, Any], reps: list[dict[str, Any]], counters: di
     res.update(SPD.figures(SPD.interleaved_results(reps, counters), k))
     res["paired_ratio"] = SPD.paired_ratios(reps)
     res["verdict"] = SPD.ratio_verdict(res["paired_ratio"])
+    res["verdict_every_round"] = SPD.ratio_verdict(res["paired_ratio"], rule="every_round")
     res["repetition_spread"] = SPD.repetition_spread(reps)
     return res
 
@@ -711,6 +712,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10, help="suite ratio: rounds of interleaved repetitions")
     ap.add_argument("--engine-options", help="suite ratio: JSON merged into the engines' options (a CPU smoke run: "
                     '\'{"dtype": "float32", "enforce_eager": true, "attention_backend": "CPU_MLA"}\')')
+    ap.add_argument("--batches", default="1,8,32", help="suite ratio: the batch sizes timed in each round")
     ap.add_argument("--rep-min-seconds", type=float, default=1.0,
                     help="suite ratio: a repetition repeats its batch until it has lasted this long")
     ap.add_argument("--prompts", type=int, default=32)
@@ -755,6 +757,7 @@ def main() -> int:
     elif a.suite == "ratio":
         res = suite_ratio(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers, rounds=a.rounds,
                           engines=tuple((a.engines or "native,forced,native,forced").split(",")),
+                          batches=tuple(int(b) for b in a.batches.split(",")),
                           rep_min_seconds=a.rep_min_seconds, run=not a.no_run,
                           options=json.loads(a.engine_options) if a.engine_options else None)
         from eagle3lab.speed import ratio_table

@@ -15,7 +15,7 @@
 #              in order, repeats allowed: native,forced,native,forced; SPEED_DIR=/tmp/speed2 measures afresh)
 #   ratio      scripts/gpu_engine_proofs.py --suite ratio (forced vs native, every instance alive at once, repetitions
 #              in turn; RATIO_ENGINES, RATIO_ROUNDS, RATIO_LAYERS: default the run's target as it is; RATIO_REP_S: the
-#              shortest repetition, 1.0 s)
+#              shortest repetition, 1.0 s; RATIO_BATCHES: 1,8,32)
 #   extract    scripts/gpu_engine_proofs.py --suite extract (hidden-state extraction vs plain prefill; with
 #              EXTRACT_PARAMS=params/embedded-gpu.yaml on a fresh target of that profile's shapes)
 #   served     scripts/gpu_engine_proofs.py --suite served
@@ -108,7 +108,7 @@ ratio)
   run=$(proof_run) || continue
   cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/ratio" --suite ratio \
       --engines "${RATIO_ENGINES:-native,forced,native,forced}" --rounds "${RATIO_ROUNDS:-10}" ${RATIO_LAYERS:+--layers $RATIO_LAYERS} \
-      --rep-min-seconds "${RATIO_REP_S:-1.0}" \
+      --rep-min-seconds "${RATIO_REP_S:-1.0}" --batches "${RATIO_BATCHES:-1,8,32}" \
       --prompts 32 --max-tokens 64 > "$OUT/ratio.txt" 2>&1; grep -v '^ ' "$OUT/ratio.txt" | tail -25; cat "$OUT/ratio/ratio.md" 2>/dev/null
   cd "$here";;
 extract)
