@@ -217,3 +217,26 @@ def test_ratio_suite_on_real_vllm_cpu_engines(tmp_path):
     assert (out / "ratio.md").read_text().startswith("| batch |")
     left = subprocess.run(["pgrep", "-f", "gpu_engine_proofs.py --live-child"], capture_output=True, text=True)
     assert left.stdout.strip() == ""
+
+
+def test_recorded_h200_ratio_suites_rebuild_to_their_verdicts():
+    """Read back the ratio suites recorded on the H200 (benchmarks/gpu/20261203-h200-d, 20261204-h200): the per-round
+    ratios rebuilt from the kept repetitions equal the recorded ones, and both rules give what the READMEs say.
+    12-03-d was recorded under the every-round rule; by the interval rule its batch 1 reads "met"."""
+    import json
+    from pathlib import Path
+
+    gpu = Path(__file__).resolve().parents[1] / "benchmarks/gpu"
+    want = {"20261203-h200-d/ratio-14x2s": ({"1": "met", "8": "unresolved", "32": "unresolved"}, "old"),
+            "20261204-h200/ratio-30x2s": ({"1": "unresolved", "8": "met", "32": "unresolved"}, "new")}
+    for folder, (interval, recorded_under) in want.items():
+        res = json.loads((gpu / folder / "proofs.json").read_text())
+        reps = SPD.timed_reps([json.loads(x) for x in (gpu / folder / "ratio-reps.jsonl").read_text().splitlines() if x])
+        pr = SPD.paired_ratios(reps)
+        for b, p in pr.items():
+            assert p["per_round"] == pytest.approx(res["paired_ratio"][b]["per_round"])
+        assert SPD.ratio_verdict(pr) == interval
+        strict = SPD.ratio_verdict(pr, rule="every_round")
+        assert set(strict.values()) == {"unresolved"}
+        assert res["verdict"] == (strict if recorded_under == "old" else interval)
+        assert res["counters_equal_forced_native"] is True and res["mismatching_prompts_native_forced"] == 0
