@@ -94,7 +94,7 @@ def test_records_fresh_add_skip_and_empty(tmp_path):
 def test_decode_with_engine_counts_mismatches_and_records():
     per = [stats(2, [2, 1]), stats(2, [0]), stats(2, [2])]
     eng = FakeEngine(greedy=[[1], [2], [3]], spec_outputs=[[1], [9], [3]], per_prompt=per, seconds=(3.0, 1.5))
-    dec = AR.decode_with_engine(eng, [[0]] * 5, Path("d"), 2, 8, decode_prompts=3)
+    dec = AR.decode_with_engine(eng, [[0]] * 5, Path("d"), 2, 8, decode_prompts=3, batch1_prompts=16)
     assert eng.calls == [("generate", 3, 8), ("spec", 3, 2, 0.0, None)]
     assert dec.decoded == 3 and dec.mismatch == [1]
     assert list(dec.seconds) == ["decode T=0"]
@@ -149,7 +149,7 @@ def test_decode_measures_the_batch1_speedup_on_the_same_first_prompts():
 
 def test_decode_all_prompts_when_unset_and_no_speedup_without_wall_times():
     per = [stats(1, [1])] * 2
-    dec = AR.decode_with_engine(FakeEngine([[1], [2]], [[1], [2]], per), [[0], [0]], Path("d"), 1, 4, None)
+    dec = AR.decode_with_engine(FakeEngine([[1], [2]], [[1], [2]], per), [[0], [0]], Path("d"), 1, 4, None, 16)
     assert dec.decoded == 2 and dec.mismatch == []
     assert dec.measured_speedup is None and "acceptance.measured_speedup" not in dec.metrics()
     assert dec.measured_speedup_batch1 is None and "acceptance.measured_speedup_batch1" not in dec.metrics()
@@ -163,7 +163,7 @@ def test_first_divergence_is_the_first_differing_token():
     greedy = [[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [1, 2]]
     spec = [[5, 6, 9, 9], [5, 6, 7, 8], [4, 6, 7, 8], [1, 2, 3]]  # differs at 2, equal, at 0, longer (at 2)
     per = [stats(1, [1])] * 4
-    dec = AR.decode_with_engine(FakeEngine(greedy, spec, per), [[0]] * 4, Path("d"), 1, 4, None)
+    dec = AR.decode_with_engine(FakeEngine(greedy, spec, per), [[0]] * 4, Path("d"), 1, 4, None, 16)
     assert dec.mismatch == [0, 2, 3]
     assert dec.first_divergence == {0: 2, 2: 0, 3: 2}
     assert dec.rows()["first differing token (min / median / max)"] == "0 / 2 / 2"

@@ -178,7 +178,7 @@ class EngineDecode:
 
 
 def decode_with_engine(engine: Any, prompts: Sequence[Sequence[int]], drafter_path: Path, k: int,
-                       max_new_tokens: int, decode_prompts: int | None, batch1_prompts: int = 16) -> EngineDecode:
+                       max_new_tokens: int, decode_prompts: int | None, batch1_prompts: int) -> EngineDecode:
     """Greedy, then speculative decoding at T=0 of the first ``decode_prompts`` prompts (None: all).
 
     On an engine that times its runs (``time_batch1``), the first ``batch1_prompts`` of them are also decoded
