@@ -271,3 +271,18 @@ def test_overview_of_the_third_1203_gpu_run_reads_its_batch1_figures():
     assert "335 with EAGLE-3 against 396 without" in ctx
     assert "one draft step costs the engine 0.651 of a target step" in ctx and "c = 0.0497" in ctx
     assert rows["measured speedup"].value == "1.22x" and "outweighs" not in rows["measured speedup"].context
+
+
+def test_recorded_gpu_02_refusal_and_patch() -> None:
+    """benchmarks/gpu/20261204-h200-b: 02 on one H200 with the current code. A real engine refused without the
+    patch with vLLM's own message, and served with it, its worker running our forward on the aux layers asked."""
+    from pathlib import Path
+
+    run = Path(__file__).resolve().parents[1] / "benchmarks/gpu/20261204-h200-b/workbook"
+    m = json.loads((run / "metrics/02_patch.json").read_text())
+    assert m["patch.engine.refused_without_patch"] and m["patch.engine.served_with_patch"]
+    assert m["patch.engine.refusal_message"] == "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
+    (w,) = m["patch.engine.workers"]
+    assert w["supports_eagle3"] and w["eagle3lab_forward"] and w["aux_layers"] == [2, 8, 13]
+    steps = {s["name"]: s["status"] for s in json.loads((run / "metrics.json").read_text())["steps"]}
+    assert steps["02_patch"] == "ok" and steps["05_acceptance"] == "pending"
