@@ -3,12 +3,14 @@ the display helpers' contract (one display, no return value) and the lab profile
 
 import json
 import sys
+from pathlib import Path
 
 import nbformat
 import plotly.graph_objects as go
 import pytest
 
 from eagle3lab import overview, progress, report, workbook
+from eagle3lab.vllm_compat import REFUSAL_MESSAGE
 
 TQDM_REFRESHES = (
     "\rtarget training:   0%|          | 0/30 [00:00<?, ?it/s]"
@@ -231,8 +233,6 @@ def test_overview_of_the_h200_run_explains_mismatches_and_qualifies_the_measured
     the index says of them: a measured slowdown at batch 64 must say what it measured, mismatches must say where
     the outputs part, and the per-layer probe reads in layer order."""
     import json
-    from pathlib import Path
-
     run = Path(__file__).resolve().parents[1] / "benchmarks/gpu/20261203-h200/workbook"
     m = overview.merged(json.loads((run / "metrics.json").read_text())["metrics"])
     rows = {r.label: r for g in overview.headline(m) for r in g.rows}
@@ -261,8 +261,6 @@ def test_overview_of_the_third_1203_gpu_run_reads_its_batch1_figures():
     (334.7 vs 396.4 tok/s) while transformers-timed c = 0.05 modelled 2.2x: the index must show the engine's own
     draft cost beside it, and must not call the batch-64 figure (1.22x, a gain) an overhead loss."""
     import json
-    from pathlib import Path
-
     run = Path(__file__).resolve().parents[1] / "benchmarks/gpu/20261203-h200-c/workbook"
     m = overview.merged(json.loads((run / "metrics.json").read_text())["metrics"])
     rows = {r.label: r for g in overview.headline(m) for r in g.rows}
@@ -276,12 +274,10 @@ def test_overview_of_the_third_1203_gpu_run_reads_its_batch1_figures():
 def test_recorded_gpu_02_refusal_and_patch() -> None:
     """benchmarks/gpu/20261204-h200-b: 02 on one H200 with the current code. A real engine refused without the
     patch with vLLM's own message, and served with it, its worker running our forward on the aux layers asked."""
-    from pathlib import Path
-
     run = Path(__file__).resolve().parents[1] / "benchmarks/gpu/20261204-h200-b/workbook"
     m = json.loads((run / "metrics/02_patch.json").read_text())
     assert m["patch.engine.refused_without_patch"] and m["patch.engine.served_with_patch"]
-    assert m["patch.engine.refusal_message"] == "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
+    assert m["patch.engine.refusal_message"] == REFUSAL_MESSAGE
     (w,) = m["patch.engine.workers"]
     assert w["supports_eagle3"] and w["eagle3lab_forward"] and w["aux_layers"] == [2, 8, 13]
     steps = {s["name"]: s["status"] for s in json.loads((run / "metrics.json").read_text())["steps"]}
