@@ -73,3 +73,41 @@ def test_refuses_bf16_model_and_ragged_inputs(model):
     half = T.build_model(model.config, seed=0).to(torch.bfloat16)
     with pytest.raises(ValueError, match="float32"):
         D.divergence_margins(half, PROMPTS[:1], [[1]], [[2]])
+
+
+def test_precision_error_is_nil_between_equal_precisions_and_measured_in_bf16(model):
+    greedy = [_greedy(model, p, 6) for p in PROMPTS]
+    seqs = [p + g for p, g in zip(PROMPTS, greedy, strict=True)]
+    lens = [len(p) for p in PROMPTS]
+    same = D.precision_error(model, T.build_model(model.config, seed=0).eval(), seqs, lens)
+    assert same.positions == 18 and same.argmax_flips == 0 and same.largest == 0.0  # 3 prompts x 6 tokens
+    half = T.build_model(model.config, seed=0).eval().to(torch.bfloat16)
+    err = D.precision_error(model, half, seqs, lens)
+    assert err.dtype == "bfloat16" and err.positions == 18 and 0 <= err.argmax_flips <= 18
+    assert list(err.margin_errors) == sorted(err.margin_errors) and err.largest > 0  # bf16 does round
+    # one position by hand: the first continuation token of prompt 0
+    with torch.no_grad():
+        ids = torch.tensor([seqs[0][:lens[0]]])
+        l32 = model(input_ids=ids).logits[0, -1]
+        low = half(input_ids=ids).logits[0, -1].float()
+    top = torch.topk(l32, 2).indices
+    shift = float(((low[top[0]] - low[top[1]]) - (l32[top[0]] - l32[top[1]])).abs())
+    assert min(abs(e - shift) for e in err.margin_errors) < 1e-6
+    assert err.share_at_least(0.0) == 1.0 and err.share_at_least(err.largest + 1) == 0.0
+    assert err.quantile(1.0) == err.largest and err.quantile(0.5) <= err.quantile(0.99) <= err.largest
+    with pytest.raises(ValueError, match="float32"):
+        D.precision_error(half, model, seqs, lens)
+    with pytest.raises(ValueError, match="prompt lengths"):
+        D.precision_error(model, half, seqs, lens[:1])
+
+
+def test_summarise_reads_divergences_against_a_measured_error():
+    err = D.PrecisionError("bfloat16", 4, 1, (0.01, 0.02, 0.1, 0.5))
+    assert err.flip_rate == 0.25 and err.to_dict()["margin_error_max"] == 0.5
+    near = D.Divergence(0, 3, 1, 2, logit_a=10.0, logit_b=9.7, argmax=2, top2_margin=0.3)  # 4.8 bf16 steps
+    far = D.Divergence(1, 5, 1, 2, logit_a=10.0, logit_b=9.0, argmax=1, top2_margin=1.0)
+    s = D.summarise([near, far], compared=8, error=err)
+    assert s["near_ties"] == 0 and s["within_measured_error"] == 1  # the rule of thumb and the measure disagree
+    assert (s["argmax_is_a"], s["argmax_is_b"]) == (1, 1)
+    assert [r["share_moved_this_far"] for r in s["divergences"]] == [0.25, 0.0]
+    assert "precision_error" not in D.summarise([near], compared=1)

@@ -310,3 +310,16 @@ def test_recorded_gpu_full_workbook_on_vllm() -> None:
     # the page says outputs are not all equal to greedy; the record agrees with itself on how many differ
     assert not acc["acceptance.outputs_match_greedy"]
     assert acc["acceptance.mismatching_prompts"] == len(acc["acceptance.first_divergence"]) == 8
+
+
+def test_overview_reads_mismatches_against_the_measured_precision_error():
+    dv = {"differing_at_a_token": 3, "near_ties": 1, "ties_within_bf16_steps": 4.0, "within_measured_error": 2,
+          "precision_error": {"dtype": "bfloat16", "margin_error_max": 0.5608, "argmax_flip_rate": 0.0142}}
+    m = overview.merged({"05_acceptance": {"acceptance.outputs_match_greedy": False, "acceptance.mismatching_prompts": 3,
+                                           "acceptance.decoded_prompts": 64, "acceptance.divergence": dv,
+                                           "acceptance.first_divergence": {"4": 30, "9": 12, "11": 70}}})
+    rows = {r.label: r for g in overview.headline(m) for r in g.rows}
+    assert rows["outputs equal greedy decoding"].context == (
+        "3 of 64 prompts differ, first at token 12 or later; 2 of 3 part where the float32 margin is within what "
+        "bfloat16 rounding of this target was measured to move (up to 0.561; its argmax leaves float32's at 1.42% "
+        "of positions)")

@@ -337,7 +337,10 @@ def divergence_check(model: Any, prompts: Sequence[Sequence[int]], decode: Engin
     two tokens there (``divergence.divergence_margins``); None when every output equals greedy decoding.
 
     ``model`` is the in-process target; a bf16 one is copied to float32 for this (the point is to look past
-    bf16's rounding).
+    bf16's rounding). A low-precision ``model`` also gives the measured yardstick
+    (``divergence.precision_error``): how far its own forward moves float32's top-2 margins over the decoded
+    prompts' greedy continuations. That is transformers' bf16, not the engine's kernels: the same precision,
+    other reduction orders.
     """
     import copy
 
@@ -347,24 +350,59 @@ def divergence_check(model: Any, prompts: Sequence[Sequence[int]], decode: Engin
 
     if not decode.mismatch:
         return None
-    ref32 = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
+    low = next(model.parameters()).dtype != torch.float32
+    ref32 = copy.deepcopy(model).float() if low else model
     n = decode.decoded
     divs = DV.divergence_margins(ref32, prompts[:n], decode.greedy, decode.spec.outputs)
+    error = None
+    if low:
+        seqs = [list(p) + list(g) for p, g in zip(prompts[:n], decode.greedy, strict=True)]
+        error = DV.precision_error(ref32, model, seqs, [len(p) for p in prompts[:n]])
     del ref32
-    summ = DV.summarise(divs, compared=n)
-    rows = [{"prompt": d.prompt, "first differing token": d.position, "greedy's token": d.token_a,
-             "speculative's token": d.token_b, "float32 logit margin": round(d.margin, 4),
-             "bf16 steps": round(d.margin / d.bf16_resolution, 2),
-             "float32 argmax is": "greedy's" if d.argmax == d.token_a else
-             ("speculative's" if d.argmax == d.token_b else "neither")} for d in divs]
-    text = (f"{summ['near_ties']} of {summ['differing_at_a_token']} prompts that part at a token part where the float32 "
-            f"target's two candidates lie within {summ['ties_within_bf16_steps']:g} bf16 steps of each other "
-            f"(largest margin {summ['largest_margin']:.4f}): "
-            + ("near-ties that bf16 cannot resolve, not a drafter or patch fault."
-               if summ["near_ties"] == summ["differing_at_a_token"] else
-               "the others part where the target is not tied: look at those prompts."))
-    return ReplayCheck({"acceptance.divergence": summ}, text, rows,
+    summ = DV.summarise(divs, compared=n, error=error)
+    rows = []
+    for d in divs:
+        row = {"prompt": d.prompt, "first differing token": d.position, "greedy's token": d.token_a,
+               "speculative's token": d.token_b, "float32 logit margin": round(d.margin, 4),
+               "bf16 steps": round(d.margin / d.bf16_resolution, 2),
+               "float32 argmax is": "greedy's" if d.argmax == d.token_a else
+               ("speculative's" if d.argmax == d.token_b else "neither")}
+        if error is not None:
+            row[f"{error.dtype} moves a margin this far at"] = f"{error.share_at_least(d.margin):.2%} of positions"
+        rows.append(row)
+    return ReplayCheck({"acceptance.divergence": summ}, divergence_text(summ), rows,
                        "each mismatching prompt where it parts from greedy, and the float32 target's margin there")
+
+
+def divergence_text(summ: dict[str, Any]) -> str:
+    """What ``divergence.summarise``'s figures say: ties or not, by the measured yardstick where there is one,
+    and which run the float32 target sides with."""
+    n, greedy_right, spec_right = summ["differing_at_a_token"], summ["argmax_is_a"], summ["argmax_is_b"]
+    side = (f" Where they part, the float32 target's own choice is greedy's token at {greedy_right} and the "
+            f"speculative output's at {spec_right}: "
+            + ("both runs leave float32's choice, as rounding does. At temperature 0 every emitted token is the "
+               "target's argmax at verification, so a bad draft cannot change an output; a broken target forward "
+               "would part early and on most prompts." if greedy_right and spec_right else
+               "only the speculative run leaves float32's choice: look at its verification step." if greedy_right else
+               "only the plain greedy run leaves float32's choice." if spec_right else
+               "neither run emits float32's choice there."))
+    err = summ.get("precision_error")
+    if err is None:
+        tied = summ["near_ties"]
+        return (f"{tied} of {n} prompts that part at a token part where the float32 target's two candidates lie within "
+                f"{summ['ties_within_bf16_steps']:g} bf16 steps of each other (largest margin "
+                f"{summ['largest_margin']:.4f}): "
+                + ("near-ties that bf16 cannot resolve, not a drafter or patch fault." if tied == n else
+                   "the others part where the target is not tied: look at those prompts.") + side)
+    within = summ["within_measured_error"]
+    return (f"Measured yardstick: over {err['positions']:,} positions of the greedy continuations, a {err['dtype']} "
+            f"forward of this target picks another token than float32 at {err['argmax_flip_rate']:.2%} of them and "
+            f"moves float32's top-2 margin by up to {err['margin_error_max']:.3f} (median "
+            f"{err['margin_error_p50']:.4f}, 99th percentile {err['margin_error_p99']:.3f}). "
+            f"{within} of {n} prompts part where the float32 margin is within that error"
+            + (": ties this precision cannot resolve, not a drafter or patch fault." if within == n else
+               "; the others part where this target's own rounding was never seen to reach: look at those prompts.")
+            + f" ({summ['near_ties']} of {n} lie within {summ['ties_within_bf16_steps']:g} bf16 steps.)" + side)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,10 +10,17 @@ diverges early, where the target is confident.
 asks the target, in float32, how far apart the two candidates' logits are after the common prefix. A margin
 within bf16's rounding of the logits (``bf16_resolution``) is a tie the engine could not resolve; a large
 margin says one of the runs did not emit the target's argmax.
+
+"A few bf16 steps" is a rule of thumb: a 16-layer MoE in bf16 accumulates rounding through every layer, and a
+router whose top-k scores are near-tied may pick another expert. ``precision_error`` measures the yardstick
+instead: how far a low-precision forward of this target moves a float32 top-2 margin, over every position of
+given sequences. A divergence whose float32 margin lies within that measured error is a tie the precision
+cannot resolve.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -93,16 +100,99 @@ def divergence_margins(
     return found
 
 
-def summarise(divs: Sequence[Divergence], compared: int, ties_within: float = 4.0) -> dict[str, Any]:
-    """The figures a report states: how many prompts differ, and how many of those part at a near tie (a margin
-    within ``ties_within`` bf16 steps of the logits)."""
+@dataclass(frozen=True)
+class PrecisionError:
+    """How far a low-precision forward of the target strays from float32, position by position: the measured
+    yardstick for a tie that precision cannot resolve."""
+
+    dtype: str  # the low-precision model's dtype
+    positions: int
+    argmax_flips: int  # positions where the low-precision argmax is not float32's
+    margin_errors: tuple[float, ...]  # sorted |margin_low - margin_32| of float32's two best tokens
+
+    @property
+    def flip_rate(self) -> float:
+        """Share of positions where the low-precision forward picks another token than float32."""
+        return self.argmax_flips / self.positions if self.positions else 0.0
+
+    @property
+    def largest(self) -> float:
+        """The largest shift of a top-2 margin seen."""
+        return self.margin_errors[-1] if self.margin_errors else 0.0
+
+    def quantile(self, q: float) -> float:
+        """The q-quantile of the margin shifts (nearest rank)."""
+        if not self.margin_errors:
+            return 0.0
+        return self.margin_errors[min(len(self.margin_errors) - 1, max(0, math.ceil(q * len(self.margin_errors)) - 1))]
+
+    def share_at_least(self, margin: float) -> float:
+        """Share of positions whose margin the low-precision forward moved by ``margin`` or more."""
+        if not self.margin_errors:
+            return 0.0
+        return (len(self.margin_errors) - bisect.bisect_left(self.margin_errors, margin)) / len(self.margin_errors)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (the per-position shifts are summarised, not listed)."""
+        return {"dtype": self.dtype, "positions": self.positions, "argmax_flips": self.argmax_flips,
+                "argmax_flip_rate": self.flip_rate, "margin_error_p50": self.quantile(0.5),
+                "margin_error_p99": self.quantile(0.99), "margin_error_max": self.largest}
+
+
+@torch.no_grad()
+def precision_error(
+    model32: Any, model_low: Any, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+) -> PrecisionError:
+    """Run both models over each whole sequence (prompt + continuation) and compare, at every position that
+    predicts a continuation token, float32's two best tokens' margin with the low-precision model's margin of
+    the same two tokens, and the two argmaxes.
+
+    The two models must hold the same weights (``model32`` a float32 copy of ``model_low``). One forward per
+    sequence and model, no padding, so only precision differs.
+    """
+    if len(sequences) != len(prompt_lens):
+        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+    if next(model32.parameters()).dtype != torch.float32:
+        raise ValueError("model32 must be float32: it is the reference the error is measured against")
+    device32, device_low = next(model32.parameters()).device, next(model_low.parameters()).device
+    errors: list[float] = []
+    flips = 0
+    for seq, n in zip(sequences, prompt_lens, strict=True):
+        if n < 1 or n >= len(seq):
+            continue  # no continuation token to predict
+        ids = torch.tensor([list(seq)])
+        l32 = model32(input_ids=ids.to(device32), use_cache=False).logits[0, n - 1:-1].float()
+        low = model_low(input_ids=ids.to(device_low), use_cache=False).logits[0, n - 1:-1].float().to(l32.device)
+        top = torch.topk(l32, 2, dim=-1)
+        pair = low.gather(1, top.indices)
+        shift = ((pair[:, 0] - pair[:, 1]) - (top.values[:, 0] - top.values[:, 1])).abs()
+        errors.extend(shift.tolist())
+        flips += int((low.argmax(-1) != top.indices[:, 0]).sum())
+    dtype = str(next(model_low.parameters()).dtype).removeprefix("torch.")
+    return PrecisionError(dtype, len(errors), flips, tuple(sorted(errors)))
+
+
+def summarise(
+    divs: Sequence[Divergence], compared: int, ties_within: float = 4.0, error: PrecisionError | None = None,
+) -> dict[str, Any]:
+    """The figures a report states: how many prompts differ, how many of those part at a near tie (a margin
+    within ``ties_within`` bf16 steps of the logits), and with a measured ``error``, how many part within the
+    largest margin shift that the low-precision forward showed, and how often it moved a margin that far."""
     ties = [d for d in divs if d.margin <= ties_within * d.bf16_resolution]
-    return {
+    out: dict[str, Any] = {
         "compared": compared,
         "differing_at_a_token": len(divs),
         "near_ties": len(ties),
         "ties_within_bf16_steps": ties_within,
         "largest_margin": max((d.margin for d in divs), default=None),
         "first_positions": sorted(d.position for d in divs),
+        "argmax_is_a": sum(d.argmax == d.token_a for d in divs),
+        "argmax_is_b": sum(d.argmax == d.token_b for d in divs),
         "divergences": [d.to_dict() for d in divs],
     }
+    if error is not None:
+        out["precision_error"] = error.to_dict()
+        out["within_measured_error"] = sum(d.margin <= error.largest for d in divs)
+        for rec, d in zip(out["divergences"], divs, strict=True):
+            rec["share_moved_this_far"] = error.share_at_least(d.margin)
+    return out
