@@ -20,10 +20,10 @@
 #              EXTRACT_PARAMS=params/embedded-gpu.yaml on a fresh target of that profile's shapes)
 #   served     scripts/gpu_engine_proofs.py --suite served
 #   tests      the GPU-marked tests
-#   caches     tar the kernel caches into $OUT (carry them next time)
+#   caches     tar the kernel caches into $OUT as 15 MiB parts (reassemble into .device-snap/caches.tgz, carry them next time)
 # The proof steps (proofs, tp, speed, extract, served) use a carried run (.device-snap/run.tgz) when this
 # machine has no workbook run.
-# At the end everything under $OUT but caches.tgz is packed into $OUT/results.tgz: a device call returns at
+# At the end everything under $OUT but the caches' parts is packed into $OUT/results.tgz: a device call returns at
 # most 8 files.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -125,8 +125,11 @@ tests)
   cd /tmp/src && timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25 | tee "$OUT/pytest-gpu.txt"
   cd "$here";;
 caches)
-  tar -czf "$OUT/caches.tgz" /root/.triton/cache /root/.cache/flashinfer /root/.cache/vllm 2>/dev/null; ls -la "$OUT/caches.tgz";;
+  # A file comes back only under 16 MiB (the device README's limits): the tarball travels as 15 MiB parts.
+  # Here: cat caches.tgz.part-* > .device-snap/caches.tgz before device_pack.sh; setup restores it.
+  tar -czf /tmp/caches.tgz /root/.triton/cache /root/.cache/flashinfer /root/.cache/vllm 2>/dev/null
+  split -b 15M -d -a 2 /tmp/caches.tgz "$OUT/caches.tgz.part-" && rm -f /tmp/caches.tgz; ls -la "$OUT"/caches.tgz.part-*;;
 *) echo "unknown step $step"; exit 2;;
 esac; done
-( cd "$OUT" && tar -czf /tmp/results.tgz --exclude=./caches.tgz . && find . -mindepth 1 ! -name caches.tgz -delete \
+( cd "$OUT" && tar -czf /tmp/results.tgz --exclude='./caches.tgz.part-*' . && find . -mindepth 1 ! -name 'caches.tgz.part-*' -delete \
   && mv /tmp/results.tgz results.tgz && ls -la )
