@@ -48,7 +48,7 @@ def main() -> None:
     rec = {"run": str(a.run), "target_layers": m32.config.num_hidden_layers, "hidden_size": m32.config.hidden_size,
            "prompts": len(prompts), "new_tokens": a.new_tokens, "device": a.device, **err.to_dict(),
            "share_moved_at_least": {str(m): err.share_at_least(m) for m in (0.02, 0.05, 0.1, 0.2, 0.4)},
-           "seconds": round(time.perf_counter() - t0, 1), "host": platform.node(), "machine": platform.processor()
+           "seconds_generate_and_measure": round(time.perf_counter() - t0, 1), "host": platform.node(), "machine": platform.processor()
            or platform.machine(), "torch": torch.__version__, "date": datetime.now(UTC).isoformat(timespec="seconds")}
     text = json.dumps(rec, indent=1)
     print(text)

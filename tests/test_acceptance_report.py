@@ -442,10 +442,11 @@ def test_divergence_check_measures_the_parting_token_in_float32():
     summ = check.metrics["acceptance.divergence"]
     assert summ["differing_at_a_token"] == 1 and summ["first_positions"] == [1]
     assert summ["largest_margin"] == pytest.approx(float((logits[9] - logits[3]).abs()), abs=1e-4)
-    assert "of 1 prompts" in check.note
+    assert "of 1 prompt part where" in check.note
     # a bf16 target also yields the measured yardstick, over the greedy continuations (2 prompts x 3 tokens)
     assert summ["precision_error"]["positions"] == 6 and summ["precision_error"]["dtype"] == "bfloat16"
-    assert "bfloat16 moves a margin this far at" in row
+    share = summ["divergences"][0]["share_moved_this_far"]
+    assert row["bfloat16 moves a margin this far at"] == f"{share:.2%} of positions" and 0 <= share <= 1
 
 
 def test_divergence_text_says_which_yardstick_and_which_run_left_float32():
@@ -455,10 +456,19 @@ def test_divergence_text_says_which_yardstick_and_which_run_left_float32():
     both = [DV.Divergence(0, 3, 1, 2, 10.0, 9.7, argmax=1, top2_margin=0.3),
             DV.Divergence(1, 5, 1, 2, 10.0, 9.5, argmax=2, top2_margin=0.5)]
     text = AR.divergence_text(DV.summarise(both, compared=4, error=err))
-    assert "2.00% of them" in text and "2 of 2 prompts part where the float32 margin is within that error" in text
+    assert "another token than float32 at 2.00% of them" in text and "by 0.990 or more at 1.00% of them" in text
+    assert "2 of 2 prompts part where the float32 margin is within that:" in text
     assert "both runs leave float32's choice" in text
     far = [DV.Divergence(0, 3, 1, 2, 10.0, 8.0, argmax=1, top2_margin=2.0)]
     text = AR.divergence_text(DV.summarise(far, compared=4, error=err))
-    assert "0 of 1" in text and "look at those prompts" in text and "only the speculative run" in text
+    assert "0 of 1 prompt part" in text and "look at those prompts" in text and "only the speculative run" in text
     text = AR.divergence_text(DV.summarise(far, compared=4))  # no measured error: the bf16-steps rule
     assert "within 4 bf16 steps" in text and "look at those prompts" in text
+    greedy_off = [DV.Divergence(0, 3, 1, 2, 10.0, 9.9, argmax=2, top2_margin=0.1)]
+    assert "only the plain greedy run" in AR.divergence_text(DV.summarise(greedy_off, compared=1))
+    # one prompt sided with greedy, one with neither token: both runs left float32 somewhere
+    mixed = far + [DV.Divergence(1, 4, 1, 2, 10.0, 9.9, argmax=5, top2_margin=0.2)]
+    text = AR.divergence_text(DV.summarise(mixed, compared=4))
+    assert "neither at 1 prompt" in text and "both runs leave" in text and "only the" not in text
+    # outputs that differ only in length leave no token to compare
+    assert "only in length" in AR.divergence_text(DV.summarise([], compared=4, error=err))

@@ -83,16 +83,19 @@ def test_precision_error_is_nil_between_equal_precisions_and_measured_in_bf16(mo
     assert same.positions == 18 and same.argmax_flips == 0 and same.largest == 0.0  # 3 prompts x 6 tokens
     half = T.build_model(model.config, seed=0).eval().to(torch.bfloat16)
     err = D.precision_error(model, half, seqs, lens)
-    assert err.dtype == "bfloat16" and err.positions == 18 and 0 <= err.argmax_flips <= 18
-    assert list(err.margin_errors) == sorted(err.margin_errors) and err.largest > 0  # bf16 does round
-    # one position by hand: the first continuation token of prompt 0
+    assert err.dtype == "bfloat16" and err.positions == 18 and err.largest > 0  # bf16 does round
+    # every position by hand: position j of a sequence predicts token j + 1, from the prompt's last token on
+    shifts, flips = [], 0
     with torch.no_grad():
-        ids = torch.tensor([seqs[0][:lens[0]]])
-        l32 = model(input_ids=ids).logits[0, -1]
-        low = half(input_ids=ids).logits[0, -1].float()
-    top = torch.topk(l32, 2).indices
-    shift = float(((low[top[0]] - low[top[1]]) - (l32[top[0]] - l32[top[1]])).abs())
-    assert min(abs(e - shift) for e in err.margin_errors) < 1e-6
+        for seq, n in zip(seqs, lens, strict=True):
+            for j in range(n - 1, len(seq) - 1):
+                ids = torch.tensor([seq[:j + 1]])
+                l32, low = model(input_ids=ids).logits[0, -1], half(input_ids=ids).logits[0, -1].float()
+                top = torch.topk(l32, 2).indices
+                shifts.append(float(((low[top[0]] - low[top[1]]) - (l32[top[0]] - l32[top[1]])).abs()))
+                flips += int(low.argmax() != top[0])
+    assert err.argmax_flips == flips
+    assert err.margin_errors == pytest.approx(sorted(shifts), abs=1e-5)
     assert err.share_at_least(0.0) == 1.0 and err.share_at_least(err.largest + 1) == 0.0
     assert err.quantile(1.0) == err.largest and err.quantile(0.5) <= err.quantile(0.99) <= err.largest
     with pytest.raises(ValueError, match="float32"):
@@ -110,4 +113,9 @@ def test_summarise_reads_divergences_against_a_measured_error():
     assert s["near_ties"] == 0 and s["within_measured_error"] == 1  # the rule of thumb and the measure disagree
     assert (s["argmax_is_a"], s["argmax_is_b"]) == (1, 1)
     assert [r["share_moved_this_far"] for r in s["divergences"]] == [0.25, 0.0]
+    assert s["yardstick"] == 0.5 and s["yardstick_share"] == 0.25  # the 99.9% quantile of 4 shifts is the largest
+    median = D.summarise([near, far], compared=8, error=err, within_quantile=0.5)
+    assert median["yardstick"] == 0.02 and median["within_measured_error"] == 0
     assert "precision_error" not in D.summarise([near], compared=1)
+    neither = D.Divergence(2, 1, 1, 2, logit_a=5.0, logit_b=4.9, argmax=7, top2_margin=0.5)
+    assert D.summarise([near, neither], compared=2)["argmax_is_neither"] == 1

@@ -314,6 +314,7 @@ def test_recorded_gpu_full_workbook_on_vllm() -> None:
 
 def test_overview_reads_mismatches_against_the_measured_precision_error():
     dv = {"differing_at_a_token": 3, "near_ties": 1, "ties_within_bf16_steps": 4.0, "within_measured_error": 2,
+          "yardstick": 0.3731, "yardstick_share": 0.001,
           "precision_error": {"dtype": "bfloat16", "margin_error_max": 0.5608, "argmax_flip_rate": 0.0142}}
     m = overview.merged({"05_acceptance": {"acceptance.outputs_match_greedy": False, "acceptance.mismatching_prompts": 3,
                                            "acceptance.decoded_prompts": 64, "acceptance.divergence": dv,
@@ -321,5 +322,5 @@ def test_overview_reads_mismatches_against_the_measured_precision_error():
     rows = {r.label: r for g in overview.headline(m) for r in g.rows}
     assert rows["outputs equal greedy decoding"].context == (
         "3 of 64 prompts differ, first at token 12 or later; 2 of 3 part where the float32 margin is within what "
-        "bfloat16 rounding of this target was measured to move (up to 0.561; its argmax leaves float32's at 1.42% "
-        "of positions)")
+        "bfloat16 rounding of this target was measured to move a margin by at 0.10% of positions (0.373; its argmax "
+        "leaves float32's at 1.42% of positions)")

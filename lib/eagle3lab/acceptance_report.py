@@ -374,34 +374,47 @@ def divergence_check(model: Any, prompts: Sequence[Sequence[int]], decode: Engin
                        "each mismatching prompt where it parts from greedy, and the float32 target's margin there")
 
 
+def _prompts(n: int) -> str:
+    return f"{n} prompt" if n == 1 else f"{n} prompts"
+
+
+def _sides_text(greedy_side: int, spec_side: int, neither: int) -> str:
+    """Which run leaves the float32 target's own choice where the outputs part."""
+    counts = (f" Where they part, the float32 target's own choice is greedy's token at {_prompts(greedy_side)}, the "
+              f"speculative output's at {_prompts(spec_side)}, and neither at {_prompts(neither)}: ")
+    if neither or (greedy_side and spec_side):
+        return counts + ("both runs leave float32's choice, as rounding does. At temperature 0 every emitted token is "
+                         "the target's argmax at verification, so a bad draft cannot change an output; a broken "
+                         "target forward would part early and on most prompts.")
+    if greedy_side:
+        return counts + "only the speculative run leaves float32's choice: look at its verification step."
+    return counts + "only the plain greedy run leaves float32's choice."
+
+
 def divergence_text(summ: dict[str, Any]) -> str:
     """What ``divergence.summarise``'s figures say: ties or not, by the measured yardstick where there is one,
     and which run the float32 target sides with."""
-    n, greedy_right, spec_right = summ["differing_at_a_token"], summ["argmax_is_a"], summ["argmax_is_b"]
-    side = (f" Where they part, the float32 target's own choice is greedy's token at {greedy_right} and the "
-            f"speculative output's at {spec_right}: "
-            + ("both runs leave float32's choice, as rounding does. At temperature 0 every emitted token is the "
-               "target's argmax at verification, so a bad draft cannot change an output; a broken target forward "
-               "would part early and on most prompts." if greedy_right and spec_right else
-               "only the speculative run leaves float32's choice: look at its verification step." if greedy_right else
-               "only the plain greedy run leaves float32's choice." if spec_right else
-               "neither run emits float32's choice there."))
+    n = summ["differing_at_a_token"]
+    if n == 0:
+        return "The outputs that differ do so only in length (one run stopped earlier): there is no token to compare."
+    side = _sides_text(summ["argmax_is_a"], summ["argmax_is_b"], summ.get("argmax_is_neither", 0))
     err = summ.get("precision_error")
     if err is None:
         tied = summ["near_ties"]
-        return (f"{tied} of {n} prompts that part at a token part where the float32 target's two candidates lie within "
-                f"{summ['ties_within_bf16_steps']:g} bf16 steps of each other (largest margin "
+        return (f"{tied} of {_prompts(n)} that part at a token part where the float32 target's two candidates lie "
+                f"within {summ['ties_within_bf16_steps']:g} bf16 steps of each other (largest margin "
                 f"{summ['largest_margin']:.4f}): "
                 + ("near-ties that bf16 cannot resolve, not a drafter or patch fault." if tied == n else
                    "the others part where the target is not tied: look at those prompts.") + side)
     within = summ["within_measured_error"]
     return (f"Measured yardstick: over {err['positions']:,} positions of the greedy continuations, a {err['dtype']} "
             f"forward of this target picks another token than float32 at {err['argmax_flip_rate']:.2%} of them and "
-            f"moves float32's top-2 margin by up to {err['margin_error_max']:.3f} (median "
-            f"{err['margin_error_p50']:.4f}, 99th percentile {err['margin_error_p99']:.3f}). "
-            f"{within} of {n} prompts part where the float32 margin is within that error"
+            f"moves float32's top-2 margin by {summ['yardstick']:.3f} or more at {summ['yardstick_share']:.2%} of them (median "
+            f"{err['margin_error_p50']:.4f}, largest {err['margin_error_max']:.3f}). "
+            f"{within} of {_prompts(n)} part where the float32 margin is within that"
             + (": ties this precision cannot resolve, not a drafter or patch fault." if within == n else
-               "; the others part where this target's own rounding was never seen to reach: look at those prompts.")
+               "; the others part at margins this target's rounding reaches more rarely (see each prompt's share "
+               "in the table): look at those prompts.")
             + f" ({summ['near_ties']} of {n} lie within {summ['ties_within_bf16_steps']:g} bf16 steps.)" + side)
 
 

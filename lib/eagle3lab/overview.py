@@ -254,9 +254,9 @@ def _greedy_context(m: Mapping[str, Any]) -> str:
     if dv and dv.get("differing_at_a_token") and dv.get("precision_error"):
         err = dv["precision_error"]
         text += (f"; {dv['within_measured_error']} of {dv['differing_at_a_token']} part where the float32 margin is "
-                 f"within what {err['dtype']} rounding of this target was measured to move (up to "
-                 f"{err['margin_error_max']:.3f}; its argmax leaves float32's at {err['argmax_flip_rate']:.2%} of "
-                 "positions)")
+                 f"within what {err['dtype']} rounding of this target was measured to move a margin by at "
+                 f"{dv['yardstick_share']:.2%} of positions ({dv['yardstick']:.3f}; its argmax leaves "
+                 f"float32's at {err['argmax_flip_rate']:.2%} of positions)")
     elif dv and dv.get("differing_at_a_token"):
         text += (f"; {dv['near_ties']} of {dv['differing_at_a_token']} part where the float32 target's two candidates "
                  f"lie within {num(dv['ties_within_bf16_steps'])} bf16 steps (a tie bf16 cannot resolve, not a "
