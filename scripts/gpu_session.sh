@@ -128,8 +128,8 @@ caches)
   # A file comes back only under 16 MiB (the device README's limits): the tarball travels as 15 MiB parts.
   # Here: cat caches.tgz.part-* > .device-snap/caches.tgz before device_pack.sh; setup restores it.
   tar -czf /tmp/caches.tgz /root/.triton/cache /root/.cache/flashinfer /root/.cache/vllm 2>/dev/null
-  # A call returns at most 8 files and 64 MiB together: with results.tgz beside them, 7 parts (105 MiB) would
-  # already be too much together, so stop at 3 parts (45 MiB) and say so rather than lose files silently.
+  # A call returns at most 8 files and 64 MiB together: 3 parts (45 MiB) leave room for results.tgz; beyond that,
+  # say so rather than lose files silently.
   size=$(stat -c %s /tmp/caches.tgz)
   if [ "$size" -gt $((45 * 1024 * 1024)) ]; then
     echo "caches: $size bytes, more than 45 MiB would not come back beside results.tgz; not returned"; rm -f /tmp/caches.tgz

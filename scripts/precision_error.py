@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle3lab import divergence as D
+from eagle3lab.speculate import greedy_generate
 
 
 def main() -> None:
@@ -41,9 +42,8 @@ def main() -> None:
     low = copy.deepcopy(m32).to(getattr(torch, a.dtype))
     prompts = [json.loads(line)["prompt_ids"] for line in heldout.read_text().splitlines()[: a.prompts]]
     t0 = time.perf_counter()
-    with torch.no_grad():
-        seqs = [m32.generate(torch.tensor([p], device=a.device), max_new_tokens=a.new_tokens, do_sample=False)[0].tolist()
-                for p in prompts]
+    eos = m32.config.eos_token_id if isinstance(m32.config.eos_token_id, int) else None  # generate() stops there too
+    seqs = [p + greedy_generate(m32, p, a.new_tokens, eos) for p in prompts]
     err = D.precision_error(m32, low, seqs, [len(p) for p in prompts])
     rec = {"run": str(a.run), "target_layers": m32.config.num_hidden_layers, "hidden_size": m32.config.hidden_size,
            "prompts": len(prompts), "new_tokens": a.new_tokens, "device": a.device, **err.to_dict(),

@@ -360,15 +360,14 @@ def divergence_check(model: Any, prompts: Sequence[Sequence[int]], decode: Engin
         error = DV.precision_error(ref32, model, seqs, [len(p) for p in prompts[:n]])
     del ref32
     summ = DV.summarise(divs, compared=n, error=error)
+    side = {"a": "greedy's", "b": "speculative's", "neither": "neither"}
     rows = []
-    for d in divs:
+    for d, rec in zip(divs, summ["divergences"], strict=True):
         row = {"prompt": d.prompt, "first differing token": d.position, "greedy's token": d.token_a,
                "speculative's token": d.token_b, "float32 logit margin": round(d.margin, 4),
-               "bf16 steps": round(d.margin / d.bf16_resolution, 2),
-               "float32 argmax is": "greedy's" if d.argmax == d.token_a else
-               ("speculative's" if d.argmax == d.token_b else "neither")}
+               "bf16 steps": round(d.margin / d.bf16_resolution, 2), "float32 argmax is": side[d.argmax_side]}
         if error is not None:
-            row[f"{error.dtype} moves a margin this far at"] = f"{error.share_at_least(d.margin):.2%} of positions"
+            row[f"{error.dtype} moves a margin this far at"] = f"{rec['share_moved_this_far']:.2%} of positions"
         rows.append(row)
     return ReplayCheck({"acceptance.divergence": summ}, divergence_text(summ), rows,
                        "each mismatching prompt where it parts from greedy, and the float32 target's margin there")

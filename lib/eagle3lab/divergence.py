@@ -43,6 +43,11 @@ class Divergence:
     top2_margin: float  # float32 logit of its best token minus its second best
 
     @property
+    def argmax_side(self) -> str:
+        """Which of the two tokens the float32 target itself picks: "a", "b" or "neither"."""
+        return "a" if self.argmax == self.token_a else "b" if self.argmax == self.token_b else "neither"
+
+    @property
     def margin(self) -> float:
         """|logit_a - logit_b|: how far apart the two runs' choices are for the float32 target."""
         return abs(self.logit_a - self.logit_b)
@@ -187,8 +192,7 @@ def summarise(
     grows with the number of positions). Each divergence also gets the share of positions moved that far.
     """
     ties = [d for d in divs if d.margin <= ties_within * d.bf16_resolution]
-    greedy_side = sum(d.argmax == d.token_a for d in divs)
-    spec_side = sum(d.argmax == d.token_b for d in divs)
+    sides = [d.argmax_side for d in divs]
     out: dict[str, Any] = {
         "compared": compared,
         "differing_at_a_token": len(divs),
@@ -196,9 +200,9 @@ def summarise(
         "ties_within_bf16_steps": ties_within,
         "largest_margin": max((d.margin for d in divs), default=None),
         "first_positions": sorted(d.position for d in divs),
-        "argmax_is_a": greedy_side,
-        "argmax_is_b": spec_side,
-        "argmax_is_neither": len(divs) - greedy_side - spec_side,
+        "argmax_is_a": sides.count("a"),
+        "argmax_is_b": sides.count("b"),
+        "argmax_is_neither": sides.count("neither"),
         "divergences": [d.to_dict() for d in divs],
     }
     if error is not None:

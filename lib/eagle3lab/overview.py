@@ -251,17 +251,17 @@ def _greedy_context(m: Mapping[str, Any]) -> str:
     first = m.get("acceptance.first_divergence") or {}
     if first:
         text += f", first at token {min(first.values())} or later"
-    if dv and dv.get("differing_at_a_token") and dv.get("precision_error"):
-        err = dv["precision_error"]
-        text += (f"; {dv['within_measured_error']} of {dv['differing_at_a_token']} part where the float32 margin is "
-                 f"within what {err['dtype']} rounding of this target was measured to move a margin by at "
-                 f"{dv['yardstick_share']:.2%} of positions ({dv['yardstick']:.3f}; its argmax leaves "
-                 f"float32's at {err['argmax_flip_rate']:.2%} of positions)")
-    elif dv and dv.get("differing_at_a_token"):
-        text += (f"; {dv['near_ties']} of {dv['differing_at_a_token']} part where the float32 target's two candidates "
-                 f"lie within {num(dv['ties_within_bf16_steps'])} bf16 steps (a tie bf16 cannot resolve, not a "
-                 "broken path)")
-    return text
+    if not (dv and dv.get("differing_at_a_token")):
+        return text
+    err = dv.get("precision_error")
+    if err:
+        return text + (f"; {dv['within_measured_error']} of {dv['differing_at_a_token']} part where the float32 margin "
+                       f"is within what {err['dtype']} rounding of this target was measured to move a margin by at "
+                       f"{dv['yardstick_share']:.2%} of positions ({dv['yardstick']:.3f}; its argmax leaves "
+                       f"float32's at {err['argmax_flip_rate']:.2%} of positions)")
+    return text + (f"; {dv['near_ties']} of {dv['differing_at_a_token']} part where the float32 target's two candidates "
+                   f"lie within {num(dv['ties_within_bf16_steps'])} bf16 steps (a tie bf16 cannot resolve, not a "
+                   "broken path)")
 
 
 # ---------------------------------------------------------------------------------- step conclusions
