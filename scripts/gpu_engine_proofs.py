@@ -36,6 +36,7 @@ snapshots for the tests' fixtures go to OUT_DIR/fixtures/.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -133,11 +134,11 @@ def live_child(job: dict[str, Any]) -> None:
     (``eagle3lab.speed``'s protocol) until it asks to close."""
     import traceback
 
+    from eagle3lab import speed as SPD
     from eagle3lab.acceptance import stats_from_vllm_metrics
     from eagle3lab.engine import VllmEngine
-    from eagle3lab.speed import live_connection
 
-    conn = live_connection()
+    conn = SPD.live_connection()
     try:
         eng = VllmEngine(job["target"], **job["options"])
         spec = None
@@ -171,11 +172,16 @@ def live_child(job: dict[str, Any]) -> None:
                     warmed.add(b)
                 # One repetition is as many passes as fill rep_min_seconds: on 2026-12-03 single passes of
                 # 0.15-0.6 s varied by up to 2.3x within one engine (the host's pace, not the GPU's).
+                steal0 = SPD.cpu_steal_seconds()
                 t0, calls, tokens = time.perf_counter(), 0, 0
                 while calls == 0 or time.perf_counter() - t0 < job.get("rep_min_seconds", 0.0):
                     outs = eng._run(llm, batch, sp)  # noqa: SLF001
                     calls, tokens = calls + 1, tokens + sum(len(o) for o in outs)
-                ans = {"seconds": time.perf_counter() - t0, "tokens": tokens, "calls": calls}
+                ans = {"seconds": time.perf_counter() - t0, "tokens": tokens, "calls": calls,
+                       "sm_clock_mhz": SPD.gpu_sm_clock_mhz()}
+                steal1 = SPD.cpu_steal_seconds()
+                if steal0 is not None and steal1 is not None:
+                    ans["steal_s"] = steal1 - steal0  # the whole machine's, during this repetition
             elif msg["op"] == "close":
                 eng.close()
                 conn.send({"closed": True})
@@ -557,7 +563,8 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, 
 def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int | None,
                 engines: tuple[str, ...] = ("native", "forced", "native", "forced"), rounds: int = 10,
                 batches: tuple[int, ...] = (1, 8, 32), rep_min_seconds: float = 1.0,
-                run: bool = True, options: dict[str, Any] | None = None) -> dict[str, Any]:
+                run: bool = True, options: dict[str, Any] | None = None,
+                rounds_seconds: float | None = None, rounds_until: float | None = None) -> dict[str, Any]:
     """Our forward forced against vLLM's native one, every instance alive at once (``eagle3lab.speed``).
 
     The instances start one after another; then each round times one repetition of every instance at every
@@ -593,7 +600,7 @@ def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int |
     started: list[SPD.Instance] = []
     counters: dict[str, dict[str, Any]] = {}
     res: dict[str, Any] = {"layers": layers or src_layers, "source_layers": src_layers, "engine_options": opts,
-                           "rounds": rounds, "k": k, "batches": list(batches), "engines": list(engines)}
+                           "rounds": rounds, "rounds_seconds_budget": rounds_seconds, "k": k, "batches": list(batches), "engines": list(engines)}
     reps: list[dict[str, Any]] = []
     failure = None
     try:
@@ -616,8 +623,13 @@ def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int |
                 f.write(json.dumps(rep) + "\n")
 
         t0 = time.perf_counter()
-        reps = SPD.run_interleaved(started, batches, rounds, on_rep=keep)
+        budget = rounds_seconds
+        if rounds_until is not None:  # a wall-clock deadline (a device session's end), whenever the engines came up
+            budget = min(budget if budget is not None else math.inf, rounds_until - time.time())
+        res["rounds_seconds_budget"] = budget
+        reps = SPD.run_interleaved(started, batches, rounds, on_rep=keep, budget_s=budget)
         res["rounds_seconds"] = time.perf_counter() - t0
+        res["rounds_timed"] = len({r["round"] for r in reps})
     except SPD.LiveError as e:  # what ran stays: the kept repetitions are still figures
         failure = str(e)
         print("FAILED:", failure, flush=True)
@@ -643,6 +655,7 @@ def _ratio_figures(res: dict[str, Any], reps: list[dict[str, Any]], counters: di
     res["verdict"] = SPD.ratio_verdict(res["paired_ratio"])
     res["verdict_every_round"] = SPD.ratio_verdict(res["paired_ratio"], rule="every_round")
     res["repetition_spread"] = SPD.repetition_spread(reps)
+    res["rep_diagnostics"] = SPD.rep_diagnostics(reps)
     return res
 
 
@@ -709,7 +722,11 @@ def main() -> int:
     ap.add_argument("--suite", choices=["single", "tp", "speed", "ratio", "extract", "served"], default="single")
     ap.add_argument("--layers", type=int, default=None,
                     help="suite speed: layers of the deepened target (default 96); suite ratio: the same (default: as it is)")
-    ap.add_argument("--rounds", type=int, default=10, help="suite ratio: rounds of interleaved repetitions")
+    ap.add_argument("--rounds", type=int, default=10, help="suite ratio: rounds of interleaved repetitions (at most)")
+    ap.add_argument("--rounds-seconds", type=float, default=None,
+                    help="suite ratio: start no timed round after this many seconds of rounds")
+    ap.add_argument("--rounds-until", type=float, default=None,
+                    help="suite ratio: start no timed round after this time (seconds since the epoch)")
     ap.add_argument("--engine-options", help="suite ratio: JSON merged into the engines' options (a CPU smoke run: "
                     '\'{"dtype": "float32", "enforce_eager": true, "attention_backend": "CPU_MLA"}\')')
     ap.add_argument("--batches", default="1,8,32", help="suite ratio: the batch sizes timed in each round")
@@ -759,7 +776,8 @@ def main() -> int:
                           engines=tuple((a.engines or "native,forced,native,forced").split(",")),
                           batches=tuple(int(b) for b in a.batches.split(",")),
                           rep_min_seconds=a.rep_min_seconds, run=not a.no_run,
-                          options=json.loads(a.engine_options) if a.engine_options else None)
+                          options=json.loads(a.engine_options) if a.engine_options else None,
+                          rounds_seconds=a.rounds_seconds, rounds_until=a.rounds_until)
         from eagle3lab.speed import ratio_table
 
         (out / "ratio.md").write_text(ratio_table(res))

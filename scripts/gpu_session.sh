@@ -15,11 +15,18 @@
 #              in order, repeats allowed: native,forced,native,forced; SPEED_DIR=/tmp/speed2 measures afresh)
 #   ratio      scripts/gpu_engine_proofs.py --suite ratio (forced vs native, every instance alive at once, repetitions
 #              in turn; RATIO_ENGINES, RATIO_ROUNDS, RATIO_LAYERS: default the run's target as it is; RATIO_REP_S: the
-#              shortest repetition, 1.0 s; RATIO_BATCHES: 1,8,32)
+#              shortest repetition, 1.0 s; RATIO_BATCHES: 1,8,32; RATIO_ROUNDS_S: no round starts after this many
+#              seconds of rounds, RATIO_UNTIL: nor after this time (epoch seconds); RATIO_ROUNDS then only bounds them)
 #   extract    scripts/gpu_engine_proofs.py --suite extract (hidden-state extraction vs plain prefill; with
 #              EXTRACT_PARAMS=params/embedded-gpu.yaml on a fresh target of that profile's shapes)
 #   served     scripts/gpu_engine_proofs.py --suite served
 #   tests      the GPU-marked tests
+#   yardstick  scripts/precision_error.py --device cuda on this machine's workbook run (after WB_UNTIL=00 workbook
+#              at least): how far the GPU profile's bf16 target strays from float32, 05's tie yardstick
+#   bg         run BG_STEPS (these steps, in order) in the background, its $OUT /tmp/bgout: a suite longer than one
+#              call's 10 minutes lives on over several calls while the machine stays warm
+#   poll       wait until the background steps end or POLL_S (560) seconds pass, then return their log and a
+#              snapshot of /tmp/bgout (kept repetitions included) as bg/
 #   caches     tar the kernel caches into $OUT as 15 MiB parts (reassemble into .device-snap/caches.tgz, carry them next time)
 # The proof steps (proofs, tp, speed, extract, served) use a carried run (.device-snap/run.tgz) when this
 # machine has no workbook run.
@@ -108,7 +115,8 @@ ratio)
   run=$(proof_run) || continue
   cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/ratio" --suite ratio \
       --engines "${RATIO_ENGINES:-native,forced,native,forced}" --rounds "${RATIO_ROUNDS:-10}" ${RATIO_LAYERS:+--layers $RATIO_LAYERS} \
-      --rep-min-seconds "${RATIO_REP_S:-1.0}" --batches "${RATIO_BATCHES:-1,8,32}" \
+      --rep-min-seconds "${RATIO_REP_S:-1.0}" --batches "${RATIO_BATCHES:-1,8,32}" ${RATIO_ROUNDS_S:+--rounds-seconds $RATIO_ROUNDS_S} \
+      ${RATIO_UNTIL:+--rounds-until $RATIO_UNTIL} \
       --prompts 32 --max-tokens 64 > "$OUT/ratio.txt" 2>&1; grep -v '^ ' "$OUT/ratio.txt" | tail -25; cat "$OUT/ratio/ratio.md" 2>/dev/null
   cd "$here";;
 extract)
@@ -124,6 +132,25 @@ served)
 tests)
   cd /tmp/src && timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25 | tee "$OUT/pytest-gpu.txt"
   cd "$here";;
+yardstick)
+  run=$(ls -d /tmp/e3out/*/ 2>/dev/null | head -1)
+  [ -n "$run" ] || { echo "yardstick: no workbook run on this machine (run WB_UNTIL=00 workbook first)"; continue; }
+  cd /tmp/src && timeout "${YARD_TIMEOUT:-300}" python3 scripts/precision_error.py "$run" --device cuda \
+      --prompts "${YARD_PROMPTS:-64}" --new-tokens "${YARD_TOKENS:-128}" --out "$OUT/precision-error-gpu.json" \
+      > "$OUT/yardstick.txt" 2>&1; tail -30 "$OUT/yardstick.txt"
+  cd "$here";;
+bg)
+  # A copy of this script runs them: the next call may bring a fresh copy of the working tree under it.
+  rm -rf /tmp/bgout && mkdir -p /tmp/bgout && cp "$here/scripts/gpu_session.sh" /tmp/bg-session.sh
+  OUT=/tmp/bgout setsid nohup bash /tmp/bg-session.sh ${BG_STEPS:?BG_STEPS: the steps to run} > /tmp/bg.log 2>&1 < /dev/null &
+  echo $! > /tmp/bg.pid; echo "background: $BG_STEPS (pid $(cat /tmp/bg.pid))";;
+poll)
+  pid=$(cat /tmp/bg.pid 2>/dev/null); end=$((SECONDS + ${POLL_S:-560}))
+  while [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then echo "background: still running"; else echo "background: ended"; fi
+  mkdir -p "$OUT/bg" && cp /tmp/bg.log "$OUT/bg/" 2>/dev/null
+  (cd /tmp/bgout 2>/dev/null && tar -czf "$OUT/bg/bgout.tgz" --exclude='*.pt' --exclude='*.safetensors' .)
+  tail -25 /tmp/bg.log;;
 caches)
   # A file comes back only under 16 MiB (the device README's limits): the tarball travels as 15 MiB parts.
   # Here: cat caches.tgz.part-* > .device-snap/caches.tgz before device_pack.sh; setup restores it.
@@ -138,5 +165,5 @@ caches)
   fi;;
 *) echo "unknown step $step"; exit 2;;
 esac; done
-( cd "$OUT" && tar -czf /tmp/results.tgz --exclude='./caches.tgz.part-*' . && find . -mindepth 1 ! -name 'caches.tgz.part-*' -delete \
-  && mv /tmp/results.tgz results.tgz && ls -la )
+( cd "$OUT" && tar -czf /tmp/results.$$.tgz --exclude='./caches.tgz.part-*' . && find . -mindepth 1 ! -name 'caches.tgz.part-*' -delete \
+  && mv /tmp/results.$$.tgz results.tgz && ls -la )

@@ -123,7 +123,8 @@ while True:
     if msg["op"] == "counters":
         conn.send({"outputs": [[1, 2, 3]], "stats": {"num_drafts": 4, "num_accepted_tokens": 6}})
     else:
-        conn.send({"seconds": float(mode) * msg["batch"], "tokens": 64 * msg["batch"]})
+        conn.send({"seconds": float(mode) * msg["batch"], "tokens": 64 * msg["batch"], "steal_s": 0.01,
+                   "sm_clock_mhz": 1980, "not_kept": 1})
 """
 
 
@@ -151,6 +152,50 @@ def test_live_children_are_timed_in_turn_and_stopped(tmp_path):
     p = SPD.paired_ratios(reps)
     assert p["1"]["median"] == pytest.approx(2.0) and p["8"]["rounds"] == 3
     assert counters["speed-forced"]["stats"]["num_accepted_tokens"] == 6
+
+
+def test_a_time_budget_ends_the_rounds_after_a_whole_round(tmp_path):
+    import time
+
+    insts = [start("speed-native", "0.0", tmp_path), start("speed-forced", "0.0", tmp_path)]
+    try:
+        # a budget already spent when the first timed round ends: that round, and no other, is timed
+        reps = SPD.run_interleaved(insts, [1, 8], rounds=50, budget_s=0.0)
+        assert {r["round"] for r in reps} == {0} and len(reps) == 2 * 2
+        t0 = time.monotonic()
+        reps = SPD.run_interleaved(insts, [1], rounds=4, budget_s=600.0)  # rounds is still the upper bound
+        assert {r["round"] for r in reps} == {0, 1, 2, 3} and time.monotonic() - t0 < 60
+        # what the child says about the machine rides along with each repetition; nothing else does
+        assert all(r["steal_s"] == 0.01 and r["sm_clock_mhz"] == 1980 and "not_kept" not in r for r in reps)
+    finally:
+        SPD.close_all(insts)
+
+
+def test_cpu_steal_seconds_reads_the_cpu_line_of_proc_stat():
+    stat = "cpu  100 0 50 9000 10 0 5 250 0 0\ncpu0 50 0 25 4500 5 0 2 125 0 0\nintr 1 2\n"
+    assert SPD.cpu_steal_seconds(stat, ticks_per_s=100) == pytest.approx(2.5)  # the 8th number, in ticks
+    assert SPD.cpu_steal_seconds("cpu  1 2 3 4\n", ticks_per_s=100) is None  # a kernel without the field
+    live = SPD.cpu_steal_seconds()
+    assert live is None or live >= 0.0
+
+
+def test_rep_diagnostics_set_each_rounds_stray_beside_its_stolen_time():
+    def r(rd: int, name: str, s: float, steal: float) -> dict:
+        return {**rep(rd, 1, name, s), "steal_s": steal, "sm_clock_mhz": 1980}
+
+    # rounds 0-2: the ratio strays most where the most time was stolen
+    reps = [r(0, "speed-native", 1.0, 0.0), r(0, "speed-forced", 1.0, 0.0),
+            r(1, "speed-native", 1.0, 0.1), r(1, "speed-forced", 1.1, 0.1),
+            r(2, "speed-native", 1.0, 0.5), r(2, "speed-forced", 1.5, 0.5)]
+    d = SPD.rep_diagnostics(reps)["1"]
+    assert d["rounds"] == 3 and d["steal_s"] == pytest.approx([0.0, 0.2, 1.0]) and d["sm_clock_mhz"] == [1980]
+    assert d["abs_log_ratio"] == pytest.approx([0.0, math.log(1.1), math.log(1.5)])
+    assert d["correlation"] == pytest.approx(statistics.correlation([0.0, 0.2, 1.0], d["abs_log_ratio"]))
+    assert d["correlation"] > 0.9 and d["steal_s_total"] == pytest.approx(1.2)
+    # no steal anywhere: nothing to correlate; repetitions that say nothing about the machine: no entry
+    flat = [{**x, "steal_s": 0.0} for x in reps]
+    assert SPD.rep_diagnostics(flat)["1"]["correlation"] is None
+    assert SPD.rep_diagnostics([rep(0, 1, "speed-native", 1.0), rep(0, 1, "speed-forced", 1.0)]) == {}
 
 
 def test_a_child_that_fails_at_start_is_reported_and_stopped(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,25 @@ def test_corpus_prompts_deterministic(built):
     assert S.corpus_prompts(tok, corpus, 9, 4, 12, seed=1)[0] != tr
     with pytest.raises(ValueError, match="empty prompt set"):
         S.line_windows(tok, [], 3, 8, 0)
+
+
+def test_profile_prompts_are_what_03_made_from_the_same_params(built, tmp_path):
+    from eagle3lab.params import load
+
+    _, tok, _ = built
+    root = Path(__file__).resolve().parents[1]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(6)))
+    p = load(root / "params/embedded.yaml", [f"data.prompts_file={f}", "data.num_prompts=3", "data.heldout_prompts=2"])
+    assert S.profile_prompts(p, tok) == S.file_prompts(f, tok, 3, 2, p.seed)
+    # embedded: the corpus's two splits, as corpus_prompts cuts them (a small corpus keeps the test quick)
+    p = load(root / "params/embedded.yaml", ["target.embedded.corpus_max_bytes=300000", "data.num_prompts=5",
+                                             "data.heldout_prompts=3"])
+    spec = p.target.embedded
+    corpus = T.build_corpus(spec.corpus_max_bytes, spec.heldout_fraction)
+    want = S.corpus_prompts(tok, corpus, 5, 3, p.data.prompt_tokens, p.seed, min_tokens=p.data.prompt_tokens_min)
+    got = S.profile_prompts(p, tok)
+    assert got == want and len(got[0]) == 5 and len(got[1]) == 3
 
 
 def test_file_prompts(built, tmp_path):

@@ -406,25 +406,99 @@ def start_instance(name: str, argv: Sequence[str], env: Mapping[str, str], log_p
     return Instance(name, group, conn, ready)
 
 
+# What a child may say about the machine during one repetition, kept beside its timing: on 2026-12-04 single
+# repetitions of one engine swung by 26% at batch 1, and the host's stolen time or the GPU's clock may say why.
+REP_DIAGNOSTICS = ("steal_s", "sm_clock_mhz")
+
+
+def cpu_steal_seconds(stat_text: str | None = None, ticks_per_s: float | None = None) -> float | None:
+    """Seconds of CPU time the hypervisor has stolen from this machine since boot, summed over its CPUs (the
+    ``steal`` field of ``/proc/stat``'s ``cpu`` line); None where there is no such file or field."""
+    import os
+
+    if stat_text is None:
+        try:
+            stat_text = Path("/proc/stat").read_text()
+        except OSError:
+            return None
+    for line in stat_text.splitlines():
+        f = line.split()
+        if f and f[0] == "cpu" and len(f) > 8:
+            hz = ticks_per_s or os.sysconf("SC_CLK_TCK")
+            return int(f[8]) / hz
+    return None
+
+
+def gpu_sm_clock_mhz() -> int | None:
+    """GPU 0's current SM clock through NVML (vLLM depends on its bindings), None without a GPU or NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetClockInfo(pynvml.nvmlDeviceGetHandleByIndex(0), pynvml.NVML_CLOCK_SM))
+    except Exception:  # noqa: BLE001 - a diagnostic: no NVML is an answer, not an error
+        return None
+
+
+def rep_diagnostics(reps: Sequence[Mapping[str, Any]], num: str = "forced", den: str = "native") -> dict[str, Any]:
+    """Per batch size, whether the rounds with the most stolen CPU time are the ones whose ratio strays: each
+    round's |log ratio| beside the steal seconds of its repetitions, their (Pearson) correlation, and the GPU
+    clocks seen. Empty where the children said nothing about the machine."""
+    cell: dict[tuple[str, int], dict[str, list[Mapping[str, Any]]]] = {}
+    for r in reps:
+        cell.setdefault((str(r["batch"]), int(r["round"])), {}).setdefault(kind_of(r["name"]), []).append(r)
+    out: dict[str, Any] = {}
+    for (b, _rd), by in sorted(cell.items(), key=lambda x: (int(x[0][0]), x[0][1])):
+        if num not in by or den not in by:
+            continue
+        both = by[num] + by[den]
+        if not all(isinstance(r.get("steal_s"), (int, float)) for r in both):
+            continue
+        ratio = statistics.fmean(r["tokens"] / r["seconds"] for r in by[num]) / statistics.fmean(
+            r["tokens"] / r["seconds"] for r in by[den])
+        d = out.setdefault(b, {"abs_log_ratio": [], "steal_s": [], "sm_clock_mhz": set()})
+        d["abs_log_ratio"].append(abs(math.log(ratio)))
+        d["steal_s"].append(sum(r["steal_s"] for r in both))
+        d["sm_clock_mhz"].update(r["sm_clock_mhz"] for r in both if r.get("sm_clock_mhz"))
+    for d in out.values():
+        d["sm_clock_mhz"] = sorted(d["sm_clock_mhz"])
+        d["rounds"] = len(d["steal_s"])
+        d["steal_s_total"] = sum(d["steal_s"])
+        try:
+            d["correlation"] = statistics.correlation(d["steal_s"], d["abs_log_ratio"])
+        except statistics.StatisticsError:  # fewer than 2 rounds, or one side constant (no steal at all)
+            d["correlation"] = None
+    return out
+
+
 def run_interleaved(instances: Sequence[Instance], batches: Sequence[int], rounds: int,
-                    on_rep: Any = None, timeout_s: float = 300.0, warmup_rounds: int = 1) -> list[dict[str, Any]]:
+                    on_rep: Any = None, timeout_s: float = 300.0, warmup_rounds: int = 1,
+                    budget_s: float | None = None) -> list[dict[str, Any]]:
     """Time one repetition per instance and batch size in each round, in :func:`rotation` order; returns the
-    repetitions (``round``, ``batch``, ``name``, ``seconds``, ``tokens``), each also passed to ``on_rep`` as it
-    comes (to keep it on disk: nothing is lost when a call's time limit cuts the suite).
+    repetitions (``round``, ``batch``, ``name``, ``seconds``, ``tokens``, and whatever else the child said
+    about the repetition), each also passed to ``on_rep`` as it comes (to keep it on disk: nothing is lost when
+    a call's time limit cuts the suite).
 
     ``warmup_rounds`` whole rounds come first and are not returned (``on_rep`` sees them with ``warmup``
     True and a negative ``round``): on 2026-12-03 a fresh engine's first one-second repetition at batch 32 ran
-    at half the pace of its second, after the child's own untimed passes."""
+    at half the pace of its second, after the child's own untimed passes. With ``budget_s``, no timed round
+    starts once that many seconds have passed since the first one did: ``rounds`` is then an upper bound, and
+    a suite sized by the time it may take still ends with whole rounds and closes its engines itself."""
     by_name = {i.name: i for i in instances}
     reps = []
     names = [i.name for i in instances]
     plan = [(rd - warmup_rounds, order) for rd, order in enumerate(rotation(names, warmup_rounds + rounds))]
+    t_first = None
     for rd, order in plan:
+        if rd == 0:
+            t_first = time.monotonic()
+        elif rd > 0 and budget_s is not None and t_first is not None and time.monotonic() - t_first >= budget_s:
+            break
         for b in batches:
             for name in order:
                 ans = by_name[name].ask({"op": "bench", "batch": b}, timeout_s)
                 rep = {"round": rd, "batch": b, "name": name, "seconds": ans["seconds"], "tokens": ans["tokens"],
-                       "calls": ans.get("calls", 1)}
+                       "calls": ans.get("calls", 1), **{k: v for k, v in ans.items() if k in REP_DIAGNOSTICS}}
                 if rd < 0:
                     rep["warmup"] = True
                 else:

@@ -119,6 +119,22 @@ def file_prompts(
     return train, held
 
 
+def profile_prompts(params: Any, tokenizer: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """(training prompts, held-out prompts) as a profile's params make them (03 writes the held-out ones):
+    ``data.prompts_file`` when set, else windows of the embedded corpus's two splits. The same params and
+    tokenizer give the same prompts, so a run that stopped before 03 can still be measured on its held-out
+    prompts (``scripts/precision_error.py``)."""
+    data = params.data
+    if data.prompts_file is not None:
+        return file_prompts(data.prompts_file, tokenizer, data.num_prompts, data.heldout_prompts, params.seed)
+    from eagle3lab.target import build_corpus
+
+    spec = params.target.embedded
+    corpus = build_corpus(spec.corpus_max_bytes, spec.heldout_fraction)
+    return corpus_prompts(tokenizer, corpus, data.num_prompts, data.heldout_prompts, data.prompt_tokens, params.seed,
+                          min_tokens=data.prompt_tokens_min)
+
+
 def _encode_record(rec: Any, tokenizer: Any, where: str) -> list[int]:
     if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
         ids = tokenizer(rec["prompt"])["input_ids"]
