@@ -478,6 +478,41 @@ def test_probe_launch_on_vllm_cpu(tmp_path):
     assert served.outputs and len(served.outputs[0]) == 8
 
 
+@pytest.mark.vllm_cpu
+@pytest.mark.slow
+def test_kimi_k25_wrapper_refused_then_patched_on_vllm_cpu(tmp_path):
+    """The mission's case in a real engine: a Kimi-K2.5 checkpoint (vLLM's KimiK25ForConditionalGeneration around
+    DeepseekV2ForCausalLM; a tiny random one, target.wrap_as_kimi_k25) with an EAGLE-3 drafter. Under the legacy
+    simulation the engine refuses with the message of the original report; with the patch through the plugin the
+    wrapper serves, its worker reporting the wrapper class, EAGLE-3 support, and our forward on the inner model."""
+    py = _vllm_cpu_python()
+    if py is None:
+        pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
+    from eagle3lab.engine import probe_launch, random_probe_drafter
+    from eagle3lab.plugin import CPU_FIXES_ENV, plugin_env
+    from eagle3lab.target import wrap_as_kimi_k25
+    from eagle3lab.vllm_compat import REFUSAL_MESSAGE
+
+    _random_mla_target(tmp_path / "inner", hidden_size=128)
+    kimi = wrap_as_kimi_k25(tmp_path / "inner", tmp_path / "kimi")
+    drafter = random_probe_drafter(tmp_path / "inner", [2, 3, 4], tmp_path / "drafter", draft_vocab_size=128)
+    options = {"dtype": "float32", "max_model_len": 256, "enforce_eager": True, "attention_backend": "CPU_MLA",
+               "extra": {"language_model_only": True}}  # the vision tower is never built
+    base = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "eagle3lab", CPU_FIXES_ENV: "1"}
+    refused = probe_launch(kimi, drafter, {**base, **plugin_env(False, False, True)}, tmp_path / "legacy.log", options,
+                           python=py, timeout_s=600)
+    assert refused.refused and refused.exit_code != 0, Path(refused.log_file).read_text()[-3000:]
+    assert REFUSAL_MESSAGE in refused.message
+    served = probe_launch(kimi, drafter, {**base, **plugin_env(True, False, True)}, tmp_path / "patched.log", options,
+                          python=py, timeout_s=600)
+    assert served.exit_code == 0 and not served.refused, Path(served.log_file).read_text()[-3000:]
+    assert [w.model_class for w in served.workers] == ["KimiK25ForConditionalGeneration"]
+    w = served.workers[0]
+    assert w.supports_eagle3 and w.inner_class == "DeepseekV2Model" and w.eagle3lab_forward
+    assert w.aux_layers == [2, 3, 4]
+    assert served.outputs and len(served.outputs[0]) == 8
+
+
 # -- run_in_group: a job (an engine child of scripts/gpu_engine_proofs.py, a 02 launch probe) that must not outlive
 # the call that started it, whatever ends that call.
 

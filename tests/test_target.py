@@ -147,3 +147,30 @@ def test_deepened_target_computes_the_same_tokens_and_aux_states(tmp_path):
     assert torch.equal(ga, gb)
     with pytest.raises(ValueError, match="deepen only adds"):
         T.deepen_target(tmp_path / "orig", tmp_path / "x", num_layers=2)
+
+
+def test_wrap_as_kimi_k25_keeps_the_weights_under_the_wrappers_prefix(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from eagle3lab import target as T
+
+    T.build_embedded_target(T.tiny_spec(train_steps=1), tmp_path / "inner", seed=0)
+    out = T.wrap_as_kimi_k25(tmp_path / "inner", tmp_path / "kimi")
+    cfg = json.loads((out / "config.json").read_text())
+    inner = json.loads((tmp_path / "inner/config.json").read_text())
+    assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"] and cfg["model_type"] == "kimi_k25"
+    assert cfg["text_config"]["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert {k: cfg["text_config"][k] for k in ("hidden_size", "kv_lora_rank", "topk_method", "num_hidden_layers")} == {
+        k: inner[k] for k in ("hidden_size", "kv_lora_rank", "topk_method", "num_hidden_layers")}
+    assert cfg["image_token_id"] == cfg["media_placeholder_token_id"] < inner["vocab_size"]
+    assert "media_proc_cfg" in json.loads((out / "preprocessor_config.json").read_text())
+    a, b = load_file(tmp_path / "inner/model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(b) == sorted("language_model." + k for k in a)
+    assert all(torch.equal(a[k], b["language_model." + k]) for k in a)
+    assert (out / "tokenizer.json").read_bytes() == (tmp_path / "inner/tokenizer.json").read_bytes()
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama/config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="not a DeepSeek-V3-family"):
+        T.wrap_as_kimi_k25(tmp_path / "llama", tmp_path / "x")

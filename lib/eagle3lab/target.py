@@ -526,3 +526,59 @@ def deepen_target(src: str | Path, dst: str | Path, num_layers: int) -> Path:
         model.config.layer_types = list(model.config.layer_types) + [model.config.layer_types[-1]] * (
             num_layers - len(model.config.layer_types))
     return save_target(model, tokenizer, dst)
+
+
+# Kimi-K2.5's image preprocessing settings, as vLLM's Kimi-K2.5 processor reads them from preprocessor_config.json
+# (vllm/transformers_utils/processors/kimi_k25_vision_fused.py). vLLM builds the processor at engine start even in
+# language-model-only mode; no image is processed here.
+_KIMI_MEDIA_PROC = {"merge_kernel_size": [2, 2], "temporal_merge_kernel_size": 4, "image_mean": [0.5, 0.5, 0.5],
+                    "image_std": [0.5, 0.5, 0.5], "patch_size": 14, "in_patch_limit": 16384,
+                    "patch_limit_on_one_side": 512, "fixed_output_tokens": None, "in_patch_limit_each_frame": 4096,
+                    "in_patch_limit_video": 40000}
+
+
+def wrap_as_kimi_k25(src: str | Path, dst: str | Path) -> Path:
+    """Save the DeepSeek-V3-family target at ``src`` as a Kimi-K2.5 checkpoint in ``dst``: the same weights
+    under ``language_model.``, a config of ``model_type`` kimi_k25 whose ``text_config`` is the target's, and a
+    one-layer vision tower that is never built (serve it with ``language_model_only``).
+
+    vLLM then loads it as ``KimiK25ForConditionalGeneration`` around ``DeepseekV2ForCausalLM``, the pair the
+    EAGLE-3 refusal and the patch are about. This rehearses the Kimi path (the wrapper's refusal, the patch
+    on both classes, our forward in the worker) on a machine that holds no 1-trillion-parameter checkpoint; it
+    says nothing about Kimi-K2.5's weights, tokenizer or acceptance.
+    """
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("model_type") not in ("deepseek_v3", "deepseek_v2", "kimi_k2"):
+        raise ValueError(f"{src}: model_type {cfg.get('model_type')!r} is not a DeepSeek-V3-family text model")
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+        if (src / f).is_file():
+            shutil.copy(src / f, dst / f)
+    text = {k: v for k, v in cfg.items() if k not in ("transformers_version", "dtype", "torch_dtype")}
+    text["architectures"] = ["DeepseekV3ForCausalLM"]
+    # The media tokens must exist in the vocabulary; text prompts never contain them. Both spellings of the
+    # placeholder: transformers' Kimi_K25Config has image_token_id, the checkpoints' remote-code config (which
+    # vLLM's EAGLE proposer reads) media_placeholder_token_id.
+    vocab = int(cfg["vocab_size"])
+    media = {"image_token_id": vocab - 1, "media_placeholder_token_id": vocab - 1, "video_token_id": vocab - 2,
+             "vision_start_token_id": vocab - 3, "vision_end_token_id": vocab - 4}
+    kimi = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
+            "vision_config": {"num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32,
+                              "intermediate_size": 64, "patch_size": 14},
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+            "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or "float32", **media}
+    (dst / "config.json").write_text(json.dumps(kimi, indent=1) + "\n")
+    (dst / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": _KIMI_MEDIA_PROC}, indent=1) + "\n")
+    weights = {}
+    for f in sorted(src.glob("*.safetensors")):
+        weights.update({"language_model." + k: v for k, v in load_file(f).items()})
+    if not weights:
+        raise ValueError(f"{src}: no .safetensors weights")
+    save_file(weights, dst / "model.safetensors")
+    return dst
