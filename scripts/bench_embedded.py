@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from eagle3lab.provenance import package_versions
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -69,6 +71,7 @@ def main() -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30, 1),
                     "python": platform.python_version()},
+        "packages": package_versions(),
         "command": " ".join(cmd[1:]),
         "exit_code": child.returncode,
         "wall_seconds": round(wall, 1),

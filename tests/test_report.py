@@ -227,6 +227,8 @@ def test_run_facts_read_as_text_on_the_index() -> None:
     assert run_fact(["-p", "seed=1"]) == "-p seed=1"
     assert run_fact([]) == "-"
     assert run_fact("embedded") == "embedded"
+    assert run_fact({"torch": "2.13.0+cpu", "vllm": "0.26.0"}) == "torch 2.13.0+cpu, vllm 0.26.0"
+    assert run_fact({}) == "-"
 
 
 def test_overview_of_the_h200_run_explains_mismatches_and_qualifies_the_measured_speedup():

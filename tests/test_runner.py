@@ -74,6 +74,11 @@ def test_run_writes_record_and_offline_html(workbook):
     assert json.loads((res2.run_dir / "metrics.json").read_text())["run"]["left_out"] == ["01_first"]
     assert "<td>left_out</td><td>01_first</td>" in (res2.run_dir / "index.html").read_text()
     assert "left_out" not in m["run"]  # the full run left nothing out
+    # the software the run ran on is part of its record, and reads as text on the index
+    from importlib.metadata import version
+
+    assert m["run"]["packages"]["torch"] == version("torch") and "transformers" in m["run"]["packages"]
+    assert f"torch {version('torch')}, " in (d / "index.html").read_text()
 
 
 def test_failing_notebook_is_reported_and_later_steps_skipped(workbook, capsys):
@@ -134,6 +139,7 @@ def test_resume_reruns_only_what_did_not_finish(workbook, tmp_path, capsys):
     assert counter.read_text() == "1"  # 01 ended ok the first time: not executed again
     assert m["metrics"]["01_first"]["first.seed"] == 5 and m["metrics"]["03_third"]["third.value"] == 3
     assert [r["rerun"] for r in m["run"]["resumed"]] == [["02_second", "03_third"]]
+    assert m["run"]["resumed"][0]["packages"] == m["run"]["packages"]  # the resumption records its own software
     assert "finished" in m["run"] and (first.run_dir / "03_third.html").is_file()
     assert "(resumed)" in (first.run_dir / "run.log").read_text()
     assert "03_third.html" in (first.run_dir / "index.html").read_text()

@@ -57,13 +57,16 @@ def _implied_cost(m: Mapping[str, Any], tps: Mapping[str, Any]) -> str:
 
 def run_fact(value: Any) -> str:
     """One value of the run's facts as the index page shows it: lists space-separated, a resumption as when,
-    where and which steps it ran, those pending or failed before (not a Python dict)."""
+    where and which steps it ran, those pending or failed before, package versions as "name version" pairs
+    (never a Python dict)."""
     if isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
         return "; ".join(f"{x.get('at', '?')} on {x.get('host', '?')}: ran the steps not done before: "
                          + ", ".join(x.get("rerun") or ["-"])
                          for x in value)
     if isinstance(value, list):
         return " ".join(map(str, value)) or "-"
+    if isinstance(value, dict):  # the package versions
+        return ", ".join(f"{k} {v}" for k, v in value.items()) or "-"
     return str(value)
 
 

