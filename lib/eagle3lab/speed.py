@@ -177,23 +177,35 @@ def interleaved_results(reps: Sequence[Mapping[str, Any]],
     return out
 
 
+def _paired_rounds(reps: Sequence[Mapping[str, Any]], num: str, den: str
+                   ) -> list[tuple[str, list[Mapping[str, Any]], list[Mapping[str, Any]]]]:
+    """(batch, ``num``'s repetitions, ``den``'s) for every round that timed both configurations, in batch
+    then round order: the unit both the ratio and its diagnostics are read per."""
+    cell: dict[tuple[str, int], dict[str, list[Mapping[str, Any]]]] = {}
+    for r in reps:
+        cell.setdefault((str(r["batch"]), int(r["round"])), {}).setdefault(kind_of(r["name"]), []).append(r)
+    return [(b, by[num], by[den]) for (b, _rd), by in sorted(cell.items(), key=lambda x: (int(x[0][0]), x[0][1]))
+            if num in by and den in by]
+
+
+def _round_ratio(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> float:
+    """Mean tokens/s of the repetitions ``a`` over that of ``b`` (one round's instances of two configurations)."""
+    return statistics.fmean(r["tokens"] / r["seconds"] for r in a) / statistics.fmean(r["tokens"] / r["seconds"] for r in b)
+
+
 def paired_ratios(reps: Sequence[Mapping[str, Any]], num: str = "forced", den: str = "native") -> dict[str, Any]:
     """Per batch size, the ratio of configuration ``num`` to ``den`` taken within each round (mean tokens/s
     of each configuration's instances in that round), and the median, minimum and maximum over rounds."""
-    cell: dict[tuple[str, int, str], list[float]] = {}
-    for r in reps:
-        cell.setdefault((str(r["batch"]), int(r["round"]), kind_of(r["name"])), []).append(r["tokens"] / r["seconds"])
+    per_batch: dict[str, list[float]] = {}
+    for b, a, d in _paired_rounds(reps, num, den):
+        per_batch.setdefault(b, []).append(_round_ratio(a, d))
     out: dict[str, Any] = {}
-    for b in sorted({b for b, _, _ in cell}, key=int):
-        rounds = sorted({rd for bb, rd, _ in cell if bb == b})
-        ratios = [statistics.fmean(cell[b, rd, num]) / statistics.fmean(cell[b, rd, den]) for rd in rounds
-                  if (b, rd, num) in cell and (b, rd, den) in cell]
-        if ratios:
-            out[b] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-                      "rounds": len(ratios), "per_round": ratios}
-            if len(ratios) >= 2:
-                ci = ratio_interval(ratios)
-                out[b].update(geo_mean=ci.mean, ci95=[ci.low, ci.high])
+    for b, ratios in per_batch.items():
+        out[b] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                  "rounds": len(ratios), "per_round": ratios}
+        if len(ratios) >= 2:
+            ci = ratio_interval(ratios)
+            out[b].update(geo_mean=ci.mean, ci95=[ci.low, ci.high])
     return out
 
 
@@ -444,20 +456,13 @@ def rep_diagnostics(reps: Sequence[Mapping[str, Any]], num: str = "forced", den:
     """Per batch size, whether the rounds with the most stolen CPU time are the ones whose ratio strays: each
     round's |log ratio| beside the steal seconds of its repetitions, their (Pearson) correlation, and the GPU
     clocks seen. Empty where the children said nothing about the machine."""
-    cell: dict[tuple[str, int], dict[str, list[Mapping[str, Any]]]] = {}
-    for r in reps:
-        cell.setdefault((str(r["batch"]), int(r["round"])), {}).setdefault(kind_of(r["name"]), []).append(r)
     out: dict[str, Any] = {}
-    for (b, _rd), by in sorted(cell.items(), key=lambda x: (int(x[0][0]), x[0][1])):
-        if num not in by or den not in by:
-            continue
-        both = by[num] + by[den]
+    for b, a, dn in _paired_rounds(reps, num, den):
+        both = [*a, *dn]
         if not all(isinstance(r.get("steal_s"), (int, float)) for r in both):
             continue
-        ratio = statistics.fmean(r["tokens"] / r["seconds"] for r in by[num]) / statistics.fmean(
-            r["tokens"] / r["seconds"] for r in by[den])
         d = out.setdefault(b, {"abs_log_ratio": [], "steal_s": [], "sm_clock_mhz": set()})
-        d["abs_log_ratio"].append(abs(math.log(ratio)))
+        d["abs_log_ratio"].append(abs(math.log(_round_ratio(a, dn))))
         d["steal_s"].append(sum(r["steal_s"] for r in both))
         d["sm_clock_mhz"].update(r["sm_clock_mhz"] for r in both if r.get("sm_clock_mhz"))
     for d in out.values():
