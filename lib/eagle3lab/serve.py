@@ -35,7 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lab.acceptance import METRIC_PREFIX, SpecDecodeStats, stats_from_vllm_metrics
-from eagle3lab.engine import Batch1Timing, SpeculativeResult, _check_prompts, cut_at_eos, workload_key
+from eagle3lab.engine import (
+    Batch1Timing,
+    SpeculativeResult,
+    _check_prompts,
+    cut_at_eos,
+    speculative_config,
+    workload_key,
+)
 
 HOST = "127.0.0.1"
 # The per-position counter is one Prometheus counter with a "position" label
@@ -67,6 +74,7 @@ class ServerSpec:
     dtype: str = "auto"
     seed: int = 0
     attention_backend: str | None = None
+    draft_attention_backend: str | None = None
     drafter_path: str | None = None
     num_speculative_tokens: int = 0
     extra_args: tuple[str, ...] = ()
@@ -83,11 +91,6 @@ class ServerSpec:
         if self.drafter_path is None:
             return "baseline"
         return f"eagle3-k{self.num_speculative_tokens}-{Path(self.drafter_path).name}"
-
-
-def speculative_config(drafter_path: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-    """vLLM's ``--speculative-config`` for an EAGLE-3 drafter folder and k draft tokens."""
-    return {"method": "eagle3", "model": str(drafter_path), "num_speculative_tokens": int(num_speculative_tokens)}
 
 
 def serve_args(spec: ServerSpec, port: int, host: str = HOST) -> list[str]:
@@ -110,7 +113,8 @@ def serve_args(spec: ServerSpec, port: int, host: str = HOST) -> list[str]:
     if spec.attention_backend:
         args += ["--attention-backend", spec.attention_backend]
     if spec.drafter_path is not None:
-        args += ["--speculative-config", json.dumps(speculative_config(spec.drafter_path, spec.num_speculative_tokens))]
+        spec_config = speculative_config(spec.drafter_path, spec.num_speculative_tokens, spec.draft_attention_backend)
+        args += ["--speculative-config", json.dumps(spec_config)]
     return args + list(spec.extra_args)
 
 
@@ -584,6 +588,7 @@ class VllmServedEngine:
         dtype: str = "auto",
         seed: int = 0,
         attention_backend: str | None = None,
+        draft_attention_backend: str | None = None,
         served_model_name: str = "target",
         vllm_python: str | Path | None = None,
         startup_timeout_s: float = 900.0,
@@ -602,7 +607,8 @@ class VllmServedEngine:
             model=str(self.target_path), served_model_name=served_model_name,
             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, enforce_eager=enforce_eager, trust_remote_code=trust_remote_code,
-            dtype=dtype, seed=seed, attention_backend=attention_backend, extra_args=tuple(extra_args),
+            dtype=dtype, seed=seed, attention_backend=attention_backend,
+            draft_attention_backend=draft_attention_backend, extra_args=tuple(extra_args),
         )  # fmt: skip
         self.vllm_python = vllm_python
         self.startup_timeout_s = startup_timeout_s
