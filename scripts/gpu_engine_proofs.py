@@ -71,7 +71,7 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     mt = job["max_tokens"]
     spec = None
     if job.get("drafter"):
-        spec = {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": job["k"]}
+        spec = eng.eagle3_config(job["drafter"], job["k"])
     t0 = time.perf_counter()
     llm = eng.llm(spec)
     res["engine_start_s"] = time.perf_counter() - t0
@@ -143,7 +143,7 @@ def live_child(job: dict[str, Any]) -> None:
         eng = VllmEngine(job["target"], **job["options"])
         spec = None
         if job.get("drafter"):
-            spec = {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": job["k"]}
+            spec = eng.eagle3_config(job["drafter"], job["k"])
         t0 = time.perf_counter()
         llm = eng.llm(spec)
         conn.send({"engine_start_s": time.perf_counter() - t0, "pid": os.getpid(),
