@@ -96,6 +96,21 @@ def test_cdn_plotly_is_refused():
         report.figure_html(_figure(), include_plotlyjs="cdn")
 
 
+def test_number_text_drops_padding_and_shows_missing_as_a_dash():
+    cases = {4.7: "4.7", 0.162: "0.162", 1.58: "1.58", 0.72289: "0.7229", 12885.3: "12,885.3", 5781504: "5,781,504",
+             512.0: "512", 0.0: "0", -0.25: "-0.25", 0.00012345: "0.000123", float("nan"): "–", True: "True"}
+    assert {v: report.number_text(v) for v in cases} == cases
+
+
+def test_table_cells_use_number_text(monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda *a, **k: shown.append(a[0]))
+    report.table([{"set": "a", "seconds": 4.7, "acc": 0.162}, {"set": "skipped", "seconds": float("nan"), "acc": 0.5}])
+    html = shown[0].to_html()
+    assert ">4.7<" in html and ">0.162<" in html and ">–<" in html and ">skipped<" in html
+    assert "4.7000" not in html and "nan" not in html
+
+
 def test_table_and_show_display_once_and_return_none(monkeypatch):
     shown = []
     monkeypatch.setattr("IPython.display.display", lambda *a, **k: shown.append(a[0]))

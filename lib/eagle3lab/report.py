@@ -123,11 +123,25 @@ def table(rows: Any, caption: str | None = None, hide_index: bool = True) -> Non
                            for r in rows])
     styler = df.style.hide(axis="index") if hide_index else df.style
     # Left-aligned text reads better than pandas' right-aligned default for our mostly textual tables.
-    styler = styler.format(precision=4, thousands=",").set_table_styles(
+    styler = styler.format(number_text, subset=list(df.select_dtypes("number").columns)).set_table_styles(
         [{"selector": "th, td", "props": "text-align: left; vertical-align: top"}])
     if caption:
         styler = styler.set_caption(caption)
     display(styler)
+
+
+def number_text(v: Any) -> str:
+    """A table cell's number as a reader wants it: at most 4 decimals without trailing zeros (4.7, not 4.7000),
+    thousands separated, 3 significant digits below 0.001, and a dash for a missing value (NaN)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if v != v:  # NaN: a row where the figure does not apply
+        return "–"
+    if isinstance(v, int) or float(v).is_integer():
+        return f"{int(v):,}"
+    if 0 < abs(v) < 1e-3:
+        return f"{v:.3g}"
+    return f"{v:,.4f}".rstrip("0").rstrip(".")
 
 
 def _cell(v: Any, keep_float: bool = False) -> Any:
