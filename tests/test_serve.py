@@ -108,6 +108,40 @@ def test_serve_args_honour_every_parameter():
         ServerSpec(model="/m", drafter_path="/d")
 
 
+# Lines of the failed start of 2026-12-05 on the AMX CI machine, as vLLM 0.32 wrote them (shortened).
+_FAILED_START_LOG = """\
+(APIServer pid=5499) WARNING 12-06 01:48:42 [system_utils.py:255] Found ulimit of 20000 and failed to automatically \
+increase with error current limit exceeds maximum limit. This can cause fd limit errors like `OSError: [Errno 24] Too \
+many open files`. Consider increasing with ulimit -n
+(Worker pid=5525) INFO 12-06 01:49:14 [cpu.py:163] Using AMX_MLA backend.
+(Worker pid=5525) ERROR 12-06 01:49:15 [multiproc_executor.py:950] WorkerProc failed to start.
+(Worker pid=5525) ERROR 12-06 01:49:15 [multiproc_executor.py:950] Traceback (most recent call last):
+(Worker pid=5525) ERROR 12-06 01:49:15 [multiproc_executor.py:950]     raise RuntimeError(
+(Worker pid=5525) ERROR 12-06 01:49:15 [multiproc_executor.py:953] RuntimeError: expect weight to be bfloat16, float16, \
+int8, fp8_e4m3 or uint8(mxfp4 or int4).
+Traceback (most recent call last):
+    raise RuntimeError(
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}
+"""
+
+
+def test_first_error_line_finds_the_root_cause_above_the_tail(tmp_path):
+    from eagle3lab.serve import VllmServer, first_error_line
+
+    cause = "RuntimeError: expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4)."
+    assert first_error_line(_FAILED_START_LOG) == cause  # not the WARNING's quoted OSError, not the generic last one
+    assert first_error_line("INFO all well\nException: bare\n") == "Exception: bare"
+    assert first_error_line("INFO all well\n    raise KeyError(name)\n") is None
+    log = tmp_path / "serve.log"
+    log.write_text(_FAILED_START_LOG + "filler\n" * 200)
+    server = VllmServer(ServerSpec(model="/m"), log)
+    report = server.failure_report(lines=5)
+    assert report.startswith(f"first error in the log: {cause}\nlast lines of {log}:")
+    assert report.endswith("filler") and cause not in report.split("\n", 1)[1]  # the tail alone would miss it
+    log.write_text("INFO nothing failed yet\n")
+    assert server.failure_report().startswith(f"last lines of {log}:")
+
+
 def _vllm_style_metrics(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int], engines: int = 1) -> str:
     """/metrics text as vLLM writes it: prometheus_client counters, labels model_name/engine(/position)."""
     from prometheus_client import CollectorRegistry, Counter, generate_latest

@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -91,6 +92,21 @@ class ServerSpec:
         if self.drafter_path is None:
             return "baseline"
         return f"eagle3-k{self.num_speculative_tokens}-{Path(self.drafter_path).name}"
+
+
+# An exception line of a vLLM log: at the start of a line (a traceback's last line) or after vLLM's ERROR level
+# marker, e.g. "(Worker pid=5525) ERROR 12-06 01:49:15 [multiproc_executor.py:953] RuntimeError: expect weight ...".
+# A WARNING that quotes an exception ("errors like `OSError: ...`") is not one.
+_ERROR_LINE = re.compile(r"(?:^|\bERROR\b.*?\s)((?:[A-Za-z_][\w.]*)?(?:Error|Exception): .*)$")
+
+
+def first_error_line(log_text: str) -> str | None:
+    """The first exception that a vLLM log reports (its root cause, usually), or None."""
+    for line in log_text.splitlines():
+        m = _ERROR_LINE.search(line)
+        if m:
+            return m.group(1).strip()
+    return None
 
 
 def serve_args(spec: ServerSpec, port: int, host: str = HOST) -> list[str]:
@@ -323,14 +339,14 @@ class VllmServer:
             if rc is not None:
                 raise ServerError(
                     f"vllm serve exited with code {rc} before it was healthy "
-                    f"({time.monotonic() - t0:.1f} s); last lines of {self.log_path}:\n{self.log_tail()}"
+                    f"({time.monotonic() - t0:.1f} s); {self.failure_report()}"
                 )
             if self.healthy():
                 return
             if time.monotonic() > deadline:
                 raise ServerError(
                     f"vllm serve was not healthy after {self.startup_timeout_s:.0f} s (process still running, "
-                    f"stopped now); last lines of {self.log_path}:\n{self.log_tail()}"
+                    f"stopped now); {self.failure_report()}"
                 )
             time.sleep(self.poll_interval_s)
 
@@ -368,6 +384,19 @@ class VllmServer:
         except OSError as e:
             return f"(log unreadable: {e})"
         return "\n".join(text.splitlines()[-lines:])
+
+    def failure_report(self, lines: int = 40) -> str:
+        """What a failed start or a dead server tells: the log's first error line, then its last lines.
+
+        vLLM's front end ends its log with a generic "Engine core initialization failed. See root cause above";
+        the cause is a worker's line far above the tail (on the AMX CI machine, about 100 lines up)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                first = first_error_line(f.read(4_000_000).decode("utf-8", "replace"))
+        except OSError:
+            first = None
+        head = f"first error in the log: {first}\n" if first else ""
+        return f"{head}last lines of {self.log_path}:\n{self.log_tail(lines)}"
 
     def __enter__(self) -> VllmServer:
         return self.start() if self.proc is None else self
@@ -664,8 +693,7 @@ class VllmServedEngine:
         rc = server.proc.poll() if server.proc is not None else None
         self.close()
         raise ServerError(
-            f"vllm serve ({server.spec.label}) exited unexpectedly with code {rc}; last lines of "
-            f"{server.log_path}:\n{server.log_tail()}"
+            f"vllm serve ({server.spec.label}) exited unexpectedly with code {rc}; {server.failure_report()}"
         )
 
     def close(self) -> None:
