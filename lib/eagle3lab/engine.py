@@ -678,7 +678,8 @@ def engine_from_params(
                            trust_remote_code=params.target.trust_remote_code)
     kw: dict[str, Any] = dict(
         vllm_options(params),
-        patch_env=plugin_env(params.patch.apply, params.patch.force, params.patch.legacy_simulation),
+        patch_env=plugin_env(params.patch.apply, params.patch.force, params.patch.legacy_simulation,
+                             architectures=params.patch.architectures),
     )
     kw.pop("dtype")  # make_engine's own argument
     mode = "offline" if offline else e.mode

@@ -132,6 +132,9 @@ class PatchParams(_Strict):
     force: bool = False
     # vLLM >= 0.18 only: revert native EAGLE-3 support in-process to reproduce the 0.15-0.17 refusal.
     legacy_simulation: bool = False
+    # The registered architectures the patch gives EAGLE-3 (e.g. [Glm4MoeForCausalLM]); empty means the
+    # DeepSeek-V2/V3 and Kimi-K2.5 classes, the family the workbook was built for.
+    architectures: list[str] = Field(default_factory=list)
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -22,32 +24,44 @@ PLUGIN_NAME = "eagle3lab"
 _KEYS = ("apply", "force", "legacy_simulation")
 
 
-def parse_plugin_env(raw: str) -> dict[str, bool]:
-    """Parse ``EAGLE3LAB_PATCH`` (JSON object with boolean apply/force/legacy_simulation)."""
+def parse_plugin_env(raw: str) -> dict[str, Any]:
+    """Parse ``EAGLE3LAB_PATCH``: a JSON object with boolean apply/force/legacy_simulation and an optional
+    ``architectures`` list (registered architecture names; absent or empty: the DeepSeek-V2/V3 and Kimi-K2.5
+    classes)."""
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{ENV_VAR} is not valid JSON ({exc}): {raw!r}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{ENV_VAR} must be a JSON object, got {raw!r}")
-    unknown = sorted(set(data) - set(_KEYS))
+    unknown = sorted(set(data) - set(_KEYS) - {"architectures"})
     if unknown:
-        raise ValueError(f"{ENV_VAR}: unknown keys {unknown} (allowed: {list(_KEYS)})")
-    out = {}
+        raise ValueError(f"{ENV_VAR}: unknown keys {unknown} (allowed: {[*_KEYS, 'architectures']})")
+    out: dict[str, Any] = {}
     for k in _KEYS:
         v = data.get(k, False)
         if not isinstance(v, bool):
             raise ValueError(f"{ENV_VAR}: {k} must be true or false, got {v!r}")
         out[k] = v
+    arches = data.get("architectures", [])
+    if not isinstance(arches, list) or not all(isinstance(a, str) and a for a in arches):
+        raise ValueError(f"{ENV_VAR}: architectures must be a list of architecture names, got {arches!r}")
+    out["architectures"] = arches
     return out
 
 
-def plugin_env(apply: bool, force: bool = False, legacy_simulation: bool = False) -> dict[str, str]:
+def plugin_env(
+    apply: bool, force: bool = False, legacy_simulation: bool = False, architectures: Sequence[str] = (),
+) -> dict[str, str]:
     """Environment variables that make every vLLM process started afterwards apply the patch.
 
-    Includes ``VLLM_PLUGINS`` only when it is already set (it is an allow-list) and lacks our name.
+    ``architectures`` names the registered architectures to patch (empty: the DeepSeek-V2/V3 and Kimi-K2.5
+    classes). Includes ``VLLM_PLUGINS`` only when it is already set (it is an allow-list) and lacks our name.
     """
-    env = {ENV_VAR: json.dumps({"apply": apply, "force": force, "legacy_simulation": legacy_simulation})}
+    cfg: dict[str, Any] = {"apply": apply, "force": force, "legacy_simulation": legacy_simulation}
+    if architectures:
+        cfg["architectures"] = list(architectures)
+    env = {ENV_VAR: json.dumps(cfg)}
     allowed = os.environ.get("VLLM_PLUGINS")
     if allowed is not None:
         names = [n.strip() for n in allowed.split(",") if n.strip()]
@@ -149,7 +163,7 @@ def vllm_plugin() -> None:
             rep = patch.simulate_legacy()
             logger.info("eagle3lab legacy simulation: %s", rep.reason or "; ".join(rep.actions))
         if cfg["apply"]:
-            rep = patch.apply(force=cfg["force"])
+            rep = patch.apply(force=cfg["force"], architectures=cfg["architectures"] or None)
             logger.info("eagle3lab patch (pid %d): %s", os.getpid(), rep.reason or f"{len(rep.actions)} changes")
     except Exception as exc:  # vLLM does not guard general plugins: an exception here would kill it
         logger.warning("eagle3lab: EAGLE-3 patch not applied in pid %d: %s", os.getpid(), exc)
