@@ -24,18 +24,20 @@ process imports this module.
 """
 
 from __future__ import annotations
+import __future__
 
 import inspect
 import sys
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from eagle3lab import vllm_compat
+from eagle3lab import layer_loop, vllm_compat
 from eagle3lab.aux_layers import check_aux_layer_ids, default_aux_layer_ids
-
-# plugin_env is re-exported here for older callers; its home is eagle3lab.plugin.
-from eagle3lab.plugin import plugin_env  # noqa: F401
+from eagle3lab.diagnose.levels import level_chain
+from eagle3lab.diagnose.plan import InterfaceStep, PatchPlan, plan_for
+from eagle3lab.diagnose.protocol import eagle3_protocol_members, interface_report
 
 # What the matrices show: the family's causal LM, its DeepSeek-V3 subclass, and the Kimi-K2.5 wrapper.
 ARCHES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration")
@@ -79,7 +81,7 @@ class PatchRecord:
 
     def describe(self) -> str:
         """One line for reports, e.g. ``set DeepseekV2Model.forward``."""
-        name = getattr(self.target, "__qualname__", repr(self.target))
+        name = getattr(self.target, "__qualname__", getattr(self.target, "__name__", repr(self.target)))
         if self.attribute == "__code__":
             return f"replace the code of {name} (allow-list constant extended)"
         if self.attribute == "__bases__":
@@ -357,8 +359,6 @@ def _classes() -> dict[str, type]:
 
 def protocol_members() -> list[str]:
     """Members of the installed ``SupportsEagle3`` Protocol."""
-    from eagle3lab.diagnose.protocol import eagle3_protocol_members
-
     return eagle3_protocol_members()
 
 
@@ -367,8 +367,6 @@ def interface_matrix(arches: Iterable[str] = ARCHES) -> list[dict[str, Any]]:
 
     ValueError when an architecture cannot be loaded (not registered, or its module fails to import).
     """
-    from eagle3lab.diagnose.protocol import interface_report
-
     rows = []
     for arch in arches:
         cls = vllm_compat.load_model_class(arch)
@@ -415,17 +413,17 @@ def frontend_admits(model_type: str) -> bool:
     return vllm_compat.frontend_admits(model_type)
 
 
-def _patch_gate(group: str) -> list[PatchRecord]:
+def _patch_gate(group: str, types: Sequence[str] = GATE_MODEL_TYPES) -> list[PatchRecord]:
     recs = []
     for gate in vllm_compat.frontend_gates():
         func, i = vllm_compat.gate_function(gate), vllm_compat.gate_constant_index(gate)
         if func is None or i is None:
             raise ValueError(
                 f"front-end gate {gate.file}:{gate.line}: cannot find the allow-list constant in "
-                f"SpeculativeConfig.{gate.function}; the patch cannot admit {list(GATE_MODEL_TYPES)}"
+                f"SpeculativeConfig.{gate.function}; the patch cannot admit {list(types)}"
             )
         allow = func.__code__.co_consts[i]
-        missing = tuple(t for t in GATE_MODEL_TYPES if t not in allow)
+        missing = tuple(t for t in types if t not in allow)
         if not missing:
             continue
         consts = list(func.__code__.co_consts)
@@ -441,9 +439,9 @@ def _patch_gate(group: str) -> list[PatchRecord]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _safe_matrix() -> list[dict[str, Any]]:
+def _safe_matrix(arches: Iterable[str] = ARCHES) -> list[dict[str, Any]]:
     try:
-        return interface_matrix(ARCHES)
+        return interface_matrix(arches)
     except (ValueError, ImportError) as exc:
         return [{"error": str(exc)}]
 
@@ -453,32 +451,210 @@ def _getter_names(members: Iterable[str]) -> list[str]:
     return names or list(_GETTERS[:1])
 
 
-def apply(force: bool = False, legacy_simulation: bool = False) -> PatchReport:
-    """Give the DeepSeek-V2/V3 and Kimi-K2.5 classes EAGLE-3 support in this process.
+def apply(
+    force: bool = False, legacy_simulation: bool = False, architectures: Sequence[str] | None = None,
+) -> PatchReport:
+    """Give registered architectures EAGLE-3 support in this process; idempotent.
 
-    Idempotent. A no-op (reported) where the installed vLLM supports EAGLE-3 natively, unless
-    ``force`` (then our members and forward replace the native ones, to compare them on a GPU).
-    ``legacy_simulation`` first runs :func:`simulate_legacy` (vLLM >= 0.18).
+    ``architectures`` None (or empty): the DeepSeek-V2/V3 and Kimi-K2.5 classes, the family the workbook was
+    built for. A no-op (reported) where the installed vLLM supports EAGLE-3 natively, unless ``force`` (then our
+    members and forward replace the native ones, to compare them on a GPU; DeepSeek family only).
+    ``legacy_simulation`` first runs :func:`simulate_legacy` (vLLM >= 0.18, DeepSeek family).
+
+    Any other architecture is patched by the plan :func:`eagle3lab.diagnose.plan.plan_for` reads from the
+    installed classes, the same plan ``diagnose`` prints. ValueError when one is not patchable (the plan's
+    one-line reason) or cannot be loaded; nothing is left half-applied.
     """
+    general = [a for a in (architectures or ()) if a not in ARCHES]
+    family = not architectures or len(general) < len(architectures)
     pre_actions: list[str] = []
     if legacy_simulation:
         pre_actions = [f"legacy simulation: {a}" for a in simulate_legacy().actions]
     rep = PatchReport(vllm_version=vllm_version(), operation="apply", forced=force, actions=pre_actions)
     rep.legacy_simulation = LEGACY in _REGISTRY
-    rep.native_support = native_support()
-    rep.before = _safe_matrix()
-    if PATCH in _REGISTRY:
-        rep.noop, rep.reason = True, "already applied in this process"
-    elif rep.native_support and not rep.legacy_simulation and not force:
-        rep.noop = True
-        rep.reason = f"vLLM {rep.vllm_version} supports EAGLE-3 natively for these classes (use force=True to install ours)"
-    else:
-        rep.actions += [r.describe() for r in _apply_patch()]
-        if not rep.actions:
-            rep.noop, rep.reason = True, "nothing to change"
-    rep.gate = {t: frontend_admits(t) for t in GATE_MODEL_TYPES}
-    rep.after = _safe_matrix()
+    shown = [*(ARCHES if family else ()), *general]
+    rep.before = _safe_matrix(shown)
+    notes: list[str] = []
+    if family:
+        rep.native_support = native_support()
+        if _family_applied():
+            notes.append("already applied in this process")
+        elif rep.native_support and not rep.legacy_simulation and not force:
+            notes.append(f"vLLM {rep.vllm_version} supports EAGLE-3 natively for these classes "
+                         "(use force=True to install ours)")
+        else:
+            rep.actions += [r.describe() for r in _apply_patch()]
+    if general and force:
+        raise ValueError(f"force=True replaces vLLM's own EAGLE-3 forward for the DeepSeek family only, not {general}")
+    for arch in general:
+        done, note = _apply_general(arch)
+        rep.actions += done
+        if note:
+            notes.append(f"{arch}: {note}" if architectures and len(architectures) > 1 else note)
+    if not rep.actions:
+        rep.noop, rep.reason = True, "; ".join(notes) or "nothing to change"
+    rep.gate = {t: frontend_admits(t) for t in (*(GATE_MODEL_TYPES if family else ()), *_gate_types(general))}
+    rep.after = _safe_matrix(shown)
     return rep
+
+
+def _family_applied() -> bool:
+    return any(rec.attribute == "forward" and getattr(rec.target, "__name__", "") == "DeepseekV2Model"
+               for rec in _REGISTRY.get(PATCH, []))
+
+
+def plan(arch: str) -> PatchPlan:
+    """The plan for one registered architecture on the installed vLLM (ValueError when it cannot be loaded)."""
+    cls = vllm_compat.load_model_class(arch)
+    return plan_for(cls, levels=level_chain(cls, []))
+
+
+def _apply_general(arch: str) -> tuple[list[str], str]:
+    """Execute ``arch``'s plan: (descriptions of the changes, a note when there was nothing to change)."""
+    p = plan(arch)
+    if p.verdict == "unsupported":
+        raise ValueError(f"{arch} is not patchable on vLLM {vllm_version()}: {p.reason}")
+    if p.verdict == "native":
+        mine = any(getattr(r.target, "__name__", "") in p.levels for r in _REGISTRY.get(PATCH, []))
+        return [], "already applied in this process" if mine else f"vLLM {vllm_version()} supports it natively"
+    cls = vllm_compat.load_model_class(arch)
+    by_name = {k.__name__: k for lv in level_chain(cls, []) for k in _level_class(lv).__mro__}
+    members = protocol_members()
+    sup = _interfaces().SupportsEagle3
+    recs: list[PatchRecord] = []
+    before = len(_REGISTRY.setdefault(PATCH, []))
+    try:
+        for step in p.interface:
+            recs += _install_interface(by_name[step.owner], step, sup, members)
+        if p.forward is not None and p.inner is not None and p.forward_owner is not None:
+            inner, owner = by_name[p.inner], by_name[p.forward_owner]
+            if not hasattr(inner, "aux_hidden_state_layers"):
+                recs.append(_record(PATCH, inner, "aux_hidden_state_layers", ()))
+            mod = sys.modules[owner.__module__]
+            if p.forward == "deepseek":
+                fwd = _make_inner_forward(mod, owner.forward)
+            else:
+                for name, helper in ((layer_loop.OUT_HELPER, layer_loop.aux_out),
+                                     (layer_loop.STATE_HELPER, layer_loop.aux_state)):
+                    if mod.__dict__.get(name) is not helper:
+                        recs.append(_record(PATCH, mod, name, helper))
+                fwd = _rewritten_forward(owner, p)
+            recs.append(_record(PATCH, inner, "forward", fwd))
+        recs += _patch_gate(PATCH, _gate_types([arch]))
+        if not vllm_compat.supports_eagle3(cls):
+            raise ValueError(f"{arch}: the plan ran but supports_eagle3 is still False")
+    except Exception:
+        for rec in reversed(_REGISTRY[PATCH][before:]):
+            _install(rec.target, rec.attribute, rec.original)
+        del _REGISTRY[PATCH][before:]
+        if not _REGISTRY[PATCH]:
+            del _REGISTRY[PATCH]
+        raise
+    return [r.describe() for r in recs], ""
+
+
+def _level_class(level: Any) -> type:
+    return getattr(sys.modules[level.module], level.class_name)
+
+
+def _install_interface(owner: type, step: InterfaceStep, sup: type, members: list[str]) -> list[PatchRecord]:
+    recs = []
+    if sup not in owner.__mro__:
+        # Nominal inheritance: isinstance passes for the class, its instances and subclasses.
+        recs.append(_record(PATCH, owner, "__bases__", (*owner.__bases__, sup)))
+    recs.append(_record(PATCH, owner, "supports_eagle3", True))
+    if step.leaf:
+        recs.append(_record(PATCH, owner, "set_aux_hidden_state_layers", _leaf_setter(step.child)))
+        for g in _getter_names(members):
+            recs.append(_record(PATCH, owner, g, _leaf_default(step.child, g)))
+    else:
+        recs.append(_record(PATCH, owner, "set_aux_hidden_state_layers", _delegating_setter(step.child)))
+        for g in _getter_names(members):
+            recs.append(_record(PATCH, owner, g, _delegating_getter(step.child, g)))
+    return recs
+
+
+def _num_layers(inner: Any) -> int:
+    layers = getattr(inner, "layers", None)
+    return len(layers) if layers is not None else int(inner.config.num_hidden_layers)
+
+
+def _leaf_setter(child: str) -> Callable[[Any, tuple[int, ...]], None]:
+    def set_aux_hidden_state_layers(self: Any, layers: tuple[int, ...]) -> None:
+        """Which layers' inputs the inner model returns as aux hidden states (vLLM ids)."""
+        inner = getattr(self, child)
+        inner.aux_hidden_state_layers = tuple(check_aux_layer_ids(layers, _num_layers(inner)))
+
+    return set_aux_hidden_state_layers
+
+
+def _leaf_default(child: str, name: str) -> Callable[[Any], tuple[int, ...]]:
+    def getter(self: Any) -> tuple[int, ...]:
+        return tuple(default_aux_layer_ids(_num_layers(getattr(self, child))))
+
+    getter.__name__ = name
+    getter.__doc__ = "vLLM's default rule (2, L//2, L-3), L the inner model's layer count."
+    return getter
+
+
+def _delegating_setter(child: str) -> Callable[[Any, tuple[int, ...]], None]:
+    def set_aux_hidden_state_layers(self: Any, layers: tuple[int, ...]) -> None:
+        """A wrapper delegates to the model it holds."""
+        getattr(self, child).set_aux_hidden_state_layers(layers)
+
+    return set_aux_hidden_state_layers
+
+
+def _delegating_getter(child: str, name: str) -> Callable[[Any], tuple[int, ...]]:
+    def getter(self: Any) -> tuple[int, ...]:
+        return getattr(getattr(self, child), name)()
+
+    getter.__name__ = name
+    getter.__doc__ = f"Delegates to self.{child}."
+    return getter
+
+
+def _rewritten_forward(owner: type, p: PatchPlan) -> Callable[..., Any]:
+    """``owner.forward`` of the installed release with aux collection added (:mod:`eagle3lab.layer_loop`),
+    compiled in the model's own module so that every name it uses resolves as in the original."""
+    original = inspect.unwrap(owner.__dict__["forward"])
+    body = layer_loop.rewrite_forward(inspect.getsource(original), p.loop)
+    # A factory gives the function the __class__ cell that super() needs; annotations stay unevaluated strings
+    # (names imported for type checking only must not be looked up).
+    src = "def _eagle3lab_factory(__class__):\n" + textwrap.indent(body, "    ") + f"    return {original.__name__}\n"
+    file = inspect.getsourcefile(original) or owner.__module__
+    code = compile(src, f"<eagle3lab: {file} {owner.__qualname__}.forward, aux collection added>", "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    scope: dict[str, Any] = {}
+    exec(code, sys.modules[owner.__module__].__dict__, scope)  # noqa: S102 - the installed forward, rewritten
+    forward = scope["_eagle3lab_factory"](owner)
+    # torch.compile support binds arguments by the release's own signature: keep it identical.
+    forward.__signature__ = inspect.signature(original)
+    forward.__annotations__ = dict(getattr(original, "__annotations__", {}))
+    forward.__qualname__ = f"{owner.__qualname__}.forward"
+    forward.__doc__ = f"eagle3lab: {owner.__name__}.forward with EAGLE-3 aux hidden-state collection."
+    forward.__eagle3lab__ = True
+    return forward
+
+
+def _gate_types(architectures: Iterable[str]) -> tuple[str, ...]:
+    """Model types 0.17's front-end allow-list must admit for these architectures: the model module's name
+    (vLLM names modules after the model type, e.g. glm4_moe) and transformers' model type for the class name."""
+    out: list[str] = []
+    for arch in architectures:
+        entry = vllm_compat.model_registry().models.get(arch)
+        module = getattr(entry, "module_name", "") or ""
+        out.append(module.rsplit(".", 1)[-1])
+        out += [t for t, names in _transformers_causal_lm_names().items() if arch in names]
+    return tuple(dict.fromkeys(t for t in out if t))
+
+
+def _transformers_causal_lm_names() -> dict[str, tuple[str, ...]]:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
+    except ImportError:
+        return {}
+    return {k: (v,) if isinstance(v, str) else tuple(v) for k, v in names.items()}
 
 
 def _apply_patch() -> list[PatchRecord]:

@@ -134,8 +134,24 @@ def load_model_class(arch: str) -> type:
     except Exception as exc:  # any import error of a model module means "cannot load here"
         raise ValueError(f"architecture {arch!r}: vLLM {vllm_version()} cannot load its class ({exc})") from exc
     if cls is None:
-        raise ValueError(f"architecture {arch!r}: vLLM {vllm_version()} lists it but its class failed to import here")
+        raise ValueError(f"architecture {arch!r}: vLLM {vllm_version()} lists it but its class failed to import "
+                         f"here: {_import_error(registry, arch)}")
     return cls
+
+
+def _import_error(registry: Any, arch: str) -> str:
+    """Why the registry could not load ``arch``: the import error of its module, which vLLM only logs."""
+    entry = getattr(registry, "models", {}).get(arch)
+    module = getattr(entry, "module_name", None)
+    if module is None:
+        return "no module recorded for it"
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            mod = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - the error itself is the answer
+        return f"importing {module} raised {type(exc).__name__}: {exc}"
+    name = getattr(entry, "class_name", "?")
+    return f"{module} imports, but has no class {name!r}" if not hasattr(mod, name) else "unknown (the module imports)"
 
 
 def try_load_model_class(arch: str) -> type | None:

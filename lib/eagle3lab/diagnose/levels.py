@@ -209,7 +209,9 @@ def _make_level(depth: int, attribute: str | None, cls: type, how: str) -> Level
         interfaces=implemented_interfaces(cls),
         interface=interface_report(cls),
         runs_layers="layers" in assigns,
-        forward_collects_aux=None if fsrc is None else "aux_hidden_state" in fsrc,
+        # Our rewritten forward has no source file; it collects by construction.
+        forward_collects_aux=True if getattr(forward, "__eagle3lab__", False) else (
+            None if fsrc is None else "aux_hidden_state" in fsrc),
         eagle_model_mixin=None if mixin is None else issubclass(cls, mixin),
         how_found=how,
     )
