@@ -1,4 +1,4 @@
-"""Synthetic acceptance records (the format of /work/notes/acceptance-records.md) for the explorer tests."""
+"""Synthetic acceptance records (the format of DESIGN.md, "Acceptance records") for the explorer tests."""
 
 import json
 from pathlib import Path

@@ -460,7 +460,7 @@ def implied_cost_ratio(tau: float, k: int, baseline_tokens_per_s: float, eagle3_
 
 
 # ---------------------------------------------------------------------------------------------------------
-# per-round records (format: /work/notes/acceptance-records.md, repeated in read_records' docstring)
+# per-round records (format: DESIGN.md, "Acceptance records", repeated in read_records' docstring)
 
 RECORDS = "records.jsonl"
 
@@ -499,7 +499,7 @@ def write_records(path: str | Path, records: Iterable[Mapping[str, Any]], append
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Records of ``records.jsonl``: one dict per (configuration, prompt); see /work/notes/acceptance-records.md.
+    """Records of ``records.jsonl``: one dict per (configuration, prompt); see DESIGN.md, "Acceptance records".
 
     Keys: config, split, drafter, aux_layer_ids, k, temperature, source ("decoded" | "simulated"),
     prompt_index, prompt_ids, prompt_text, output_ids, output_pieces, rounds (start, drafted,

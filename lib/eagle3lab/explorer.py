@@ -2,7 +2,7 @@
 draft position (with 95% intervals over prompts) and the prompt's tokens coloured by what happened to them.
 
 It reads the per-round records that 05_acceptance writes (``<run>/artifacts/acceptance/records.jsonl``,
-format in /work/notes/acceptance-records.md) and draws with acceptance's own figure and token view, so the
+format in DESIGN.md, "Acceptance records") and draws with acceptance's own figure and token view, so the
 explorer and the static page never disagree.
 
 In JupyterLab it is an ipywidgets panel. Its output also carries a static rendering of the first selection

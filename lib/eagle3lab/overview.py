@@ -3,7 +3,8 @@ grouped with units and context, one figure, and a banner for every caveat the no
 
 Everything here is read from the metrics the notebooks recorded (``Workbook.record``, ``conclude``,
 ``caveat``); nothing is computed from the artifacts, so the page always says what the notebooks said.
-The metric names are those documented in /work/notes/acceptance-records.md and by each notebook.
+The metric names are those each notebook records and documents; the acceptance records' format is in
+DESIGN.md ("Acceptance records").
 """
 
 from __future__ import annotations
