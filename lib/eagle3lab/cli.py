@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     lint.add_argument("--json", action="store_true")
 
     pt = sub.add_parser("patch", help="apply the in-process patch in this process and show the interface matrix")
-    pt.add_argument("--check", metavar="ARCH", required=True, help="architecture to check, e.g. KimiK25ForConditionalGeneration")
+    pt.add_argument("--check", metavar="TARGET", required=True,
+                    help="architecture name (e.g. Glm4MoeForCausalLM), config.json, or a model folder")
     _add_params_args(pt)
     pt.add_argument("--json", action="store_true")
 
@@ -148,12 +149,13 @@ def _cmd_lint(a: argparse.Namespace) -> int:
 
 def _cmd_patch(a: argparse.Namespace) -> int:
     from eagle3lab import params, patch_check, vllm_compat
+    from eagle3lab.diagnose.target_info import target_info
 
     p = params.load(a.params or params_default(), a.overrides)
     if not vllm_compat.vllm_version():
         raise RuntimeError("vLLM is not installed in this environment: nothing to check")
     try:
-        vllm_compat.load_model_class(a.check)
+        vllm_compat.load_model_class(target_info(a.check).architecture)
     except ValueError as exc:  # an architecture this vLLM does not have is the user's input
         raise InputError([("patch --check", str(exc))]) from None
     d = patch_check.check(a.check, apply=p.patch.apply, force=p.patch.force,

@@ -145,6 +145,13 @@ def analyse_forward(source: str) -> LayerLoop:
                          reason=f"its forward loops over self.layers {len(loops)} times; the layer ids are ambiguous")
     loop = loops[0]
     form = ast.unparse(loop.iter)
+    outer = next((n for n in nodes if isinstance(n, (ast.For, ast.While)) and n is not loop
+                  and any(m is loop for m in ast.walk(n))), None)
+    if outer is not None:
+        head = ast.unparse(outer.iter if isinstance(outer, ast.For) else outer.test)
+        return LayerLoop(ok=False, line=loop.lineno, form=form,
+                         reason=f"its layer loop runs inside another loop (over `{head}`): the layers run several "
+                                "times per forward, so a layer id names no single point of the residual stream")
     found = _unwrap_iterable(loop.iter)
     if found is None:
         return LayerLoop(ok=False, line=loop.lineno, form=form,

@@ -12,36 +12,54 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagle3lab import patch, vllm_compat
+from eagle3lab.diagnose.target_info import target_info
 
 
-def check(arch: str, apply: bool = True, force: bool = False, legacy_simulation: bool = False) -> dict[str, Any]:
-    """Interface of ``arch`` before and after (legacy simulation, then) the patch, in this process.
+def check(target: str, apply: bool = True, force: bool = False, legacy_simulation: bool = False) -> dict[str, Any]:
+    """Interface of ``target`` (an architecture name, a config.json or a model folder) before and after (the
+    legacy simulation, then) the patch, in this process.
 
-    ``ok`` is True when the class ends up supported whenever the patch was asked for. ValueError when
-    ``arch`` cannot be loaded. vLLM's log lines go to stderr, so that ``--json`` output stays parseable.
+    The patch runs the same plan ``diagnose`` prints (``plan`` in the result: its verdict and reason before the
+    patch). ``ok`` is True when, the patch asked for, the class ends up supported and its inner model collects
+    aux states; a plan that refuses the class gives ``ok`` False with the plan's reason. ValueError when the
+    architecture cannot be loaded. vLLM's log lines go to stderr, so that ``--json`` output stays parseable.
     """
     with contextlib.redirect_stdout(sys.stderr):
+        arch = target_info(target).architecture
         cls = vllm_compat.load_model_class(arch)
-        out: dict[str, Any] = {"arch": arch, "vllm_version": vllm_compat.vllm_version(), "actions": []}
-        if legacy_simulation:
+        out: dict[str, Any] = {"arch": arch, "target": str(target), "vllm_version": vllm_compat.vllm_version(),
+                               "actions": []}
+        # The simulation re-creates 0.15-0.17 for the DeepSeek/Kimi classes only; any other architecture is
+        # checked against the vLLM as installed, whose refusal is real.
+        out["legacy_simulation"] = legacy_simulation and arch in patch.ARCHES
+        if out["legacy_simulation"]:
             out["actions"] += [f"legacy simulation: {a}" for a in patch.simulate_legacy().actions]
+        before_plan = patch.plan(arch)
+        out["plan"] = {"verdict": before_plan.verdict, "reason": before_plan.reason}
         out["before"] = patch.interface_matrix([arch])[0]
+        out["error"] = None
         if apply:
-            rep = patch.apply(force=force)
-            out["actions"] += rep.actions
-            out["noop"], out["reason"] = rep.noop, rep.reason
+            try:
+                rep = patch.apply(force=force, architectures=[arch])
+                out["actions"] += rep.actions
+                out["noop"], out["reason"] = rep.noop, rep.reason
+            except ValueError as exc:
+                out["noop"], out["reason"], out["error"] = True, str(exc), str(exc)
         else:
             out["noop"], out["reason"] = True, "patch.apply is false"
         out["after"] = patch.interface_matrix([arch])[0]
         out["refusal_before"] = out["before"]["refusal"]
         out["refusal_after"] = patch.refusal_for(cls)
-        out["ok"] = bool(out["after"]["supports_eagle3"]) or not apply
+        out["after_plan"] = patch.plan(arch).verdict
+        out["ok"] = not apply or (bool(out["after"]["supports_eagle3"]) and out["after_plan"] == "native")
     return out
 
 
 def format_check(d: dict[str, Any]) -> str:
     """Human-readable form of :func:`check`'s result."""
     lines = [f"{d['arch']} on vLLM {d['vllm_version']}"]
+    if "plan" in d:
+        lines.append(f"  plan (as diagnose says): {d['plan']['verdict']}: {d['plan']['reason']}")
     for when in ("before", "after"):
         r = d[when]
         lines.append(
@@ -52,7 +70,10 @@ def format_check(d: dict[str, Any]) -> str:
     if d.get("noop"):
         lines.append(f"  no-op: {d.get('reason', '')}")
     lines += [f"  - {a}" for a in d.get("actions", [])]
-    lines.append("  OK" if d.get("ok") else "  FAILED: the class is still refused")
+    if d.get("error"):
+        lines.append(f"  FAILED: {d['error']}")
+    else:
+        lines.append("  OK" if d.get("ok") else "  FAILED: the class is still refused")
     return "\n".join(lines)
 
 

@@ -145,13 +145,13 @@ def _import_error(registry: Any, arch: str) -> str:
     module = getattr(entry, "module_name", None)
     if module is None:
         return "no module recorded for it"
+    name = getattr(entry, "class_name", "?")
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            mod = importlib.import_module(module)
+            found = getattr(importlib.import_module(module), name, None)  # lazy packages import on attribute access
     except Exception as exc:  # noqa: BLE001 - the error itself is the answer
-        return f"importing {module} raised {type(exc).__name__}: {exc}"
-    name = getattr(entry, "class_name", "?")
-    return f"{module} imports, but has no class {name!r}" if not hasattr(mod, name) else "unknown (the module imports)"
+        return f"importing {module}.{name} raised {type(exc).__name__}: {exc}"
+    return f"{module} imports, but has no class {name!r}" if found is None else "unknown (the class imports)"
 
 
 def try_load_model_class(arch: str) -> type | None:

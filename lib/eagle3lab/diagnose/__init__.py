@@ -13,8 +13,9 @@ The package follows the steps of a diagnosis, one module each:
 - :mod:`.levels`: the chain from the registered class to the model that runs the layers;
 - :mod:`.sources`: where the refusal is raised and the front-end gate, in the installed sources;
 - :mod:`.aux_ids`: the aux ids vLLM would use (rules in :mod:`eagle3lab.aux_layers`);
+- :mod:`.plan`: what our patch would change for a class, or why it will not (shared with the patch);
 - :mod:`.verdict`: :func:`diagnose`, the verdict (native / patchable / unsupported) and the patch plan;
-- :mod:`.registry`: every registered architecture at once, from source (seconds instead of minutes);
+- :mod:`.registry`: every registered architecture at once, each with the plan's verdict;
 - :mod:`.figures`: the members-per-level heatmap and the registry chart.
 
 ``from eagle3lab import diagnose as dg; dg.diagnose("KimiK25ForConditionalGeneration")`` is the entry.
@@ -24,6 +25,7 @@ from eagle3lab.aux_layers import aux_id_problems, default_aux_layer_ids
 from eagle3lab.diagnose.aux_ids import AuxIds, drafter_aux_ids, resolve_aux_ids
 from eagle3lab.diagnose.figures import interface_figure, registry_figure
 from eagle3lab.diagnose.levels import Level, level_chain
+from eagle3lab.diagnose.plan import PatchPlan, plan_for
 from eagle3lab.diagnose.protocol import (
     InterfaceReport,
     eagle3_protocol_members,
@@ -34,7 +36,9 @@ from eagle3lab.diagnose.registry import (
     STATUSES,
     RegistryCounts,
     RegistryRow,
+    reason_counts,
     registry_counts,
+    registry_row,
     registry_status,
     registry_table,
     write_registry_csv,
@@ -53,9 +57,9 @@ from eagle3lab.vllm_compat import REFUSAL_MESSAGE, vllm_package_dir
 
 __all__ = [
     "FAMILY_CAUSAL_LM", "FAMILY_INNER_MODEL", "REFUSAL_MESSAGE", "STATUSES", "AuxIds", "Diagnosis", "Gate",
-    "InterfaceReport", "Level", "PlanStep", "RegistryCounts", "RegistryRow", "SourceSite", "TargetInfo",
+    "InterfaceReport", "Level", "PatchPlan", "PlanStep", "RegistryCounts", "RegistryRow", "SourceSite", "TargetInfo",
     "aux_id_problems", "default_aux_layer_ids", "diagnose", "drafter_aux_ids", "eagle3_protocol_members",
     "evaluate_gates", "find_raise_sites", "format_diagnosis", "implemented_interfaces", "interface_figure", "interface_report",
-    "level_chain", "read_json_config", "registry_counts", "registry_figure", "registry_status",
+    "level_chain", "plan_for", "read_json_config", "reason_counts", "registry_counts", "registry_figure", "registry_row", "registry_status",
     "registry_table", "resolve_aux_ids", "write_registry_csv", "target_info", "text_config_of", "vllm_package_dir",
 ]

@@ -33,15 +33,17 @@ def interface_figure(diagnoses: list[Diagnosis], label: str) -> Any:
 
 
 def registry_figure(rows: list[RegistryRow], vllm_version: str) -> Any:
-    """Stacked bars per registry kind: native / patch needed / neither (they partition the rows)."""
+    """Stacked bars per registry kind: native / patchable / not patchable / not loadable (they partition the rows)."""
     import plotly.graph_objects as go
 
     counts = [c for c in registry_counts(rows) if c.kind != "all"]
     kinds = [c.kind for c in counts]
-    colors = {"native": "#54a24b", "patch needed": "#f58518", "neither": "#bab0ac"}
+    colors = {"native": "#54a24b", "patchable": "#f58518", "not patchable": "#bab0ac", "not loadable here": "#e0e0e0"}
+    field = {"native": "native", "patchable": "patchable", "not patchable": "not_patchable",
+             "not loadable here": "not_loadable"}
     fig = go.Figure([
-        go.Bar(name=s, x=kinds, y=[getattr(c, s.replace(" ", "_")) for c in counts], marker_color=colors[s],
-               text=[getattr(c, s.replace(" ", "_")) for c in counts], textposition="inside")
+        go.Bar(name=s, x=kinds, y=[getattr(c, field[s]) for c in counts], marker_color=colors[s],
+               text=[getattr(c, field[s]) for c in counts], textposition="inside")
         for s in STATUSES
     ])
     fig.update_layout(

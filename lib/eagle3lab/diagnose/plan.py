@@ -129,8 +129,9 @@ def plan_for(cls: type, text_architectures: list[str] | None = None, levels: lis
         return refuse(f"{hybrid} is a hybrid model (vLLM's IsHybrid: linear-attention or SSM layers with recurrent "
                       "state): not patched, since EAGLE-3 drafting over its recurrent state is not verified here")
     if inner_level is None:
-        return refuse(f"no class in the chain {' -> '.join(names)} builds self.layers: no text model that runs "
-                      "decoder layers was found (a multimodal tower without a text model, or a layout we do not read)")
+        return refuse(f"no class in the chain {' -> '.join(names)} builds self.layers: its decoder layers live "
+                      "under another name (self.h, self.blocks, ...), its text model is chosen only by a config, or "
+                      "it has no text model; the patch rewrites loops over self.layers only")
     inner = _class(inner_level)
     for layer_cls in decoder_layer_classes(inner):
         attr = _multi_attention(layer_cls)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 from eagle3lab import vllm_compat
 from eagle3lab.diagnose.aux_ids import AuxIds, resolve_aux_ids
 from eagle3lab.diagnose.levels import Level, level_chain
+from eagle3lab.diagnose.plan import PatchPlan, plan_for
 from eagle3lab.diagnose.protocol import eagle3_protocol_members
 from eagle3lab.diagnose.sources import Gate, SourceSite, evaluate_gates, find_raise_sites
 from eagle3lab.diagnose.target_info import TargetInfo, target_info
@@ -48,11 +48,12 @@ class Diagnosis:
     raise_sites: list[SourceSite]
     gates: list[Gate]
     aux: AuxIds
-    family: bool
+    family: bool  # our patch applies (native or patchable by the plan); the name predates the general patch
     verdict: str
     reasons: list[str]
     plan: list[PlanStep]
     seconds: float = 0.0
+    patch_plan: PatchPlan | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (levels include their interface reports)."""
@@ -103,11 +104,6 @@ class Diagnosis:
         return out
 
 
-def _family_class(cls: type) -> type | None:
-    """The DeepSeek-V2-family base in ``cls``'s MRO (where the patch puts the members), if any."""
-    return next((k for k in cls.__mro__ if k.__name__ == FAMILY_CAUSAL_LM), None)
-
-
 def diagnose(target: str | Path, drafter_config: str | Path | None = None) -> Diagnosis:
     """Diagnose EAGLE-3 support for ``target`` (architecture name, config.json or folder) on the installed vLLM.
 
@@ -132,11 +128,10 @@ def diagnose(target: str | Path, drafter_config: str | Path | None = None) -> Di
     try:
         cls = vllm_compat.load_model_class(info.architecture)
     except ValueError as exc:  # not registered, or its module does not import on this host
-        return done(resolved=False, levels=[], family=False, verdict="unsupported", plan=[], reasons=[str(exc)])
+        return done(resolved=False, levels=[], family=False, verdict="unsupported", plan=[],
+                    reasons=[f"the class cannot be loaded here, so nothing can be patched: {exc}"])
     levels = level_chain(cls, info.text_architectures)
-    family = any(_family_class(_load(lv)) is not None for lv in levels) or any(
-        lv.class_name == FAMILY_INNER_MODEL for lv in levels
-    )
+    plan = plan_for(cls, levels=levels)
     top, inner = levels[0], levels[-1]
     refusing = [g for g in gates if g.passes is False]
     unknown_gates = [g for g in gates if g.passes is None]
@@ -154,60 +149,50 @@ def diagnose(target: str | Path, drafter_config: str | Path | None = None) -> Di
         reasons.append(f"front-end gate {g.file}:{g.line} refuses model_type {g.model_type!r} (allowed: {g.allowed})")
     for g in unknown_gates:
         reasons.append(f"front-end gate {g.file}:{g.line} tests {g.config_attr}.model_type, unknown without a config.json")
-    if top.supports_eagle3 and inner.forward_collects_aux is not False and not refusing:
+    # The verdict is the patch plan's (the plan the patch executes), plus the front-end gate it also fixes.
+    if plan.verdict == "native" and not refusing:
         verdict = "native"
-    elif family:
-        verdict = "patchable"
-    else:
+    elif plan.verdict == "unsupported":
         verdict = "unsupported"
-        reasons.append(
-            f"not a DeepSeek-V2-family model (no {FAMILY_CAUSAL_LM} in the chain "
-            f"{' -> '.join(lv.class_name for lv in levels)}): our patch does not apply"
-        )
-    plan = _plan(levels, refusing + unknown_gates) if verdict == "patchable" else []
+        reasons.append(f"our patch does not apply: {plan.reason}")
+    else:
+        verdict = "patchable"
+        reasons.append(f"our patch: {plan.reason}")
+    steps = _plan(plan, refusing + unknown_gates) if verdict == "patchable" else []
     if aux.problems:
         reasons.extend(f"aux ids: {p.message}" for p in aux.problems)
-    return done(resolved=True, levels=levels, family=family, verdict=verdict, reasons=reasons, plan=plan)
+    return done(resolved=True, levels=levels, family=plan.verdict != "unsupported", verdict=verdict,
+                reasons=reasons, plan=steps, patch_plan=plan)
 
 
-def _load(level: Level) -> type:
-    return getattr(sys.modules[level.module], level.class_name)
-
-
-def _plan(levels: list[Level], gates: list[Gate]) -> list[PlanStep]:
+def _plan(plan: PatchPlan, gates: list[Gate]) -> list[PlanStep]:
+    """The plan's changes as rows: the interface per level, the forward, the front-end gate."""
     steps: list[PlanStep] = []
-    done: set[str] = set()
-    inner = levels[-1]
-    for lv in levels[:-1]:
-        if lv.supports_eagle3:
-            continue
-        fam = _family_class(_load(lv))
-        name = fam.__name__ if fam is not None else lv.class_name
-        if name in done:
-            continue
-        done.add(name)
-        via = f" (base of {lv.class_name})" if name != lv.class_name else ""
-        child = levels[lv.depth + 1]
-        deleg = f"self.{child.attribute}" if child.attribute else "its inner model"
-        steps.append(
-            PlanStep(
-                "add_interface",
-                name,
-                f"add SupportsEagle3 to the bases of {name}{via} and define "
-                f"{', '.join(lv.interface.members_missing) or 'its members'}; the layer setters/getters "
-                f"delegate to {deleg}",
-            )
-        )
-    if inner.forward_collects_aux is False:
-        steps.append(
-            PlanStep(
-                "replace_forward",
-                inner.class_name,
-                f"replace {inner.class_name}.forward with one that returns (hidden_states, [aux...]) where aux "
-                "is hidden_states + residual at the input of each requested layer (id == num_layers: the "
-                "final pre-norm state), and give it aux_hidden_state_layers = ()",
-            )
-        )
+    for st in plan.interface:
+        via = f" (base of {st.level_class})" if st.owner != st.level_class else ""
+        what = "its inner model" if st.leaf else "the model it holds"
+        steps.append(PlanStep(
+            "add_interface", st.owner,
+            f"add SupportsEagle3 to the bases of {st.owner}{via} and define "
+            f"{', '.join(st.missing) or 'its members'}; the layer setters/getters delegate to self.{st.child} "
+            f"({what})",
+        ))
+    if plan.forward == "deepseek":
+        steps.append(PlanStep(
+            "replace_forward", plan.forward_owner or "",
+            f"replace {plan.forward_owner}.forward with the hand-written DeepSeek-V2 forward that returns "
+            "(hidden_states, [aux...]), aux being hidden_states + residual at the input of each requested layer "
+            "(id == num_layers: the final pre-norm state), and give it aux_hidden_state_layers = ()",
+        ))
+    elif plan.forward == "rewrite" and plan.loop is not None:
+        res = f"{plan.loop.hidden} + {plan.loop.residual}" if plan.loop.residual else plan.loop.hidden
+        steps.append(PlanStep(
+            "rewrite_forward", plan.forward_owner or "",
+            f"add aux collection to the installed {plan.forward_owner}.forward: in its loop `for ... in "
+            f"{plan.loop.form}` collect {res} at the input of each requested layer (global id from "
+            f"{plan.loop.start}; one past the last layer: the final pre-norm state) and return "
+            "(hidden_states, [aux...]); give the inner model aux_hidden_state_layers = ()",
+        ))
     for g in gates:
         mt = g.model_type or "<the target's text model_type>"
         steps.append(
