@@ -247,11 +247,11 @@ def test_run_facts_read_as_text_on_the_index() -> None:
 
 
 def test_overview_of_the_h200_run_explains_mismatches_and_qualifies_the_measured_speedup():
-    """Read back the metrics the GPU workbook recorded on 2026-12-03 (benchmarks/gpu/20261203-h200) and check what
+    """Read back the metrics the GPU workbook recorded on 2026-12-03 (tests/fixtures/gpu-runs/20261203-h200) and check what
     the index says of them: a measured slowdown at batch 64 must say what it measured, mismatches must say where
     the outputs part, and the per-layer probe reads in layer order."""
     import json
-    run = Path(__file__).resolve().parents[1] / "benchmarks/gpu/20261203-h200/workbook"
+    run = Path(__file__).resolve().parents[1] / "tests/fixtures/gpu-runs/20261203-h200"
     m = overview.merged(json.loads((run / "metrics.json").read_text())["metrics"])
     rows = {r.label: r for g in overview.headline(m) for r in g.rows}
     assert rows["measured speedup"].value == "0.258x"
@@ -275,11 +275,11 @@ def test_overview_shows_the_batch1_speedup_with_its_figures():
 
 
 def test_overview_of_the_third_1203_gpu_run_reads_its_batch1_figures():
-    """benchmarks/gpu/20261203-h200-c: the first GPU run of 05 with batch-1 timing. EAGLE-3 was slower at batch 1
+    """tests/fixtures/gpu-runs/20261203-h200-c: the first GPU run of 05 with batch-1 timing. EAGLE-3 was slower at batch 1
     (334.7 vs 396.4 tok/s) while transformers-timed c = 0.05 modelled 2.2x: the index must show the engine's own
     draft cost beside it, and must not call the batch-64 figure (1.22x, a gain) an overhead loss."""
     import json
-    run = Path(__file__).resolve().parents[1] / "benchmarks/gpu/20261203-h200-c/workbook"
+    run = Path(__file__).resolve().parents[1] / "tests/fixtures/gpu-runs/20261203-h200-c"
     m = overview.merged(json.loads((run / "metrics.json").read_text())["metrics"])
     rows = {r.label: r for g in overview.headline(m) for r in g.rows}
     assert rows["measured speedup, batch 1"].value == "0.844x"
@@ -290,9 +290,9 @@ def test_overview_of_the_third_1203_gpu_run_reads_its_batch1_figures():
 
 
 def test_recorded_gpu_02_refusal_and_patch() -> None:
-    """benchmarks/gpu/20261204-h200-b: 02 on one H200 with the current code. A real engine refused without the
+    """tests/fixtures/gpu-runs/20261204-h200-b: 02 on one H200 with the current code. A real engine refused without the
     patch with vLLM's own message, and served with it, its worker running our forward on the aux layers asked."""
-    run = Path(__file__).resolve().parents[1] / "benchmarks/gpu/20261204-h200-b/workbook"
+    run = Path(__file__).resolve().parents[1] / "tests/fixtures/gpu-runs/20261204-h200-b"
     m = json.loads((run / "metrics/02_patch.json").read_text())
     assert m["patch.engine.refused_without_patch"] and m["patch.engine.served_with_patch"]
     assert m["patch.engine.refusal_message"] == REFUSAL_MESSAGE
