@@ -70,6 +70,17 @@ def test_sampling_reproducible_under_seed(eng):
     assert a == b
 
 
+def test_sampling_follows_temperature(eng):
+    """Temperature reaches the sampler: near 0 it is greedy decoding, high it is not (nor one seed's copy of
+    another's). A sampler that ignores temperature fails one side: always greedy, or always T = 1."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [100, 7, 9, 11]]
+    greedy = eng.generate(prompts, 10)
+    # At T = 1e-4 a logit gap of 0.01 becomes a factor e^100: only an exact tie could leave the argmax.
+    assert eng.generate(prompts, 10, temperature=1e-4, seed=3) == greedy
+    hot = [eng.generate(prompts, 10, temperature=20.0, seed=s) for s in (3, 4)]
+    assert all(h != greedy for h in hot) and hot[0] != hot[1]
+
+
 def test_cut_at_eos():
     assert E.cut_at_eos([4, 5, 1, 2, 2], 1) == [4, 5, 1]
     assert E.cut_at_eos([4, 5], 1) == [4, 5]

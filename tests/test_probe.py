@@ -48,9 +48,14 @@ def test_sample_states_takes_response_tokens():
             return 3
 
         def get(self, i, keys):
-            return {"loss_mask": torch.tensor([False, True, True]), "aux": torch.full((3, 2), float(i))}
+            # row t of sequence i holds 10 * i + t: a row's value says which sequence and position it came from
+            aux = (10 * i + torch.arange(3.0))[:, None].expand(3, 2)
+            return {"loss_mask": torch.tensor([False, True, True]), "aux": aux}
 
     rows = PR.sample_states(DS(), 5, seed=0)
     assert rows.shape == (5, 2)
-    assert sorted(set(rows[:, 0].tolist())) != [] and len(rows) == 5
-    assert PR.sample_states(DS(), 100).shape == (6, 2)  # all response tokens of all sequences
+    # only response positions (1 and 2), never the prompt's position 0, whole sequences in turn
+    assert {int(v) % 10 for v in rows[:, 0].tolist()} == {1, 2}
+    assert len({int(v) // 10 for v in rows[:, 0].tolist()}) == 3
+    everything = PR.sample_states(DS(), 100)  # all response tokens of all sequences, each once
+    assert sorted(everything[:, 0].tolist()) == [1.0, 2.0, 11.0, 12.0, 21.0, 22.0]

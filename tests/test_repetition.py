@@ -28,7 +28,13 @@ def test_distinct_ngrams_and_summary():
     assert st.sequences == 2 and st.tokens == 30 and st.distinct_tokens == 18
     assert st.loop_fraction == pytest.approx(15 / 30)
     assert st.longest_loop_max == 15 and st.longest_loop_median == 7.5
-    assert 0 < st.distinct_4gram < st.distinct_4gram_within <= 1 or st.distinct_4gram <= 1
+    # By hand: [1, 2, 3] * 5 has 12 4-grams of 3 kinds, range(10, 25) 12 of 12 kinds; pooled 15 of 24, and
+    # the mean of the two sequences' own ratios (3/12 + 12/12) / 2. 2-grams: 3 + 14 kinds of 28.
+    assert st.distinct_4gram == pytest.approx(15 / 24) and st.distinct_4gram_within == pytest.approx(0.625)
+    assert st.distinct_2gram == pytest.approx(17 / 28)
+    # Pooled and within differ when sequences repeat each other: two copies of 6 distinct tokens.
+    twice = R.repetition_stats([list(range(6)), list(range(6))])
+    assert twice.distinct_4gram == pytest.approx(3 / 6) and twice.distinct_4gram_within == pytest.approx(1.0)
     with pytest.raises(ValueError):
         R.repetition_stats([[]])
 

@@ -246,11 +246,35 @@ def test_sampled_decoding_matches_target_sampling():
     assert _chi2(pooled_c, pooled_p) < _chi2_quantile_999(df)
 
 
-def test_greedy_draft_sampling_at_temperature_uses_one_hot_q():
+def test_greedy_draft_sampling_at_temperature_uses_one_hot_q(monkeypatch):
+    """Greedy drafts at T > 0 are verified against a one-hot q on each draft: every q the verifier gets is
+    one-hot on its draft, so acceptance is p(x) and a rejected draft is never the token drawn in its place
+    (the residual max(0, p - q) is 0 at x). Seen on the verifier's own inputs, then the outputs."""
+    from eagle3lab import speculate as SP
     from eagle3lab.speculate import speculative_decode
 
     model, cfg = tiny_target(2)
     drafter = drafter_for(model, cfg, 1, lm_head=True)
+    seen: list[tuple[list[int], torch.Tensor, int, int]] = []
+    verify = SP.verify_sampled
+
+    def spy(drafts, p, q, generator=None):
+        a, extra = verify(drafts, p, q, generator)
+        seen.append((list(drafts), q.clone(), a, extra))
+        return a, extra
+
+    monkeypatch.setattr(SP, "verify_sampled", spy)
+    for seed in range(6):
+        speculative_decode(model, drafter, [1, 2, 3], 3, 8, None, temperature=1.0,
+                           generator=torch.Generator().manual_seed(seed))
+    assert seen and any(a < 3 for _, _, a, _ in seen), "the test must see rejections"
+    for drafts, q, a, extra in seen:
+        assert q.shape[0] == 3 and torch.equal(q.sum(-1), torch.ones(3))
+        assert all(q[i, x] == 1.0 for i, x in enumerate(drafts)), "q must be one-hot on each draft"
+        if a < 3:
+            assert extra != drafts[a], "a rejected draft cannot be the token resampled in its place"
+    monkeypatch.undo()
+
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     a = speculative_decode(model, drafter, [1, 2, 3], 3, 8, None, temperature=1.0, generator=g1)
     b = speculative_decode(model, drafter, [1, 2, 3], 3, 8, None, temperature=1.0, generator=g2)
