@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 import pytest
 import yaml
 
+from eagle3lab import acceptance as A
 from eagle3lab import overview, progress, report, workbook
 from eagle3lab.vllm_compat import REFUSAL_MESSAGE
 
@@ -300,6 +301,15 @@ def test_recorded_gpu_02_refusal_and_patch() -> None:
     assert w["supports_eagle3"] and w["eagle3lab_forward"] and w["aux_layers"] == [2, 8, 13]
     steps = {s["name"]: s["status"] for s in json.loads((run / "metrics.json").read_text())["steps"]}
     assert steps["02_patch"] == "ok" and steps["05_acceptance"] == "pending"
+    # What the run's index page makes of this record (library code, not the file): the refusal, then the patch.
+    rows = {r.label: r for g in overview.headline(m) for r in g.rows}
+    row = rows["real vLLM engine"]
+    assert row.value == "refused without the patch, served with it"
+    assert "1 worker(s) reported the patched classes" in row.context and REFUSAL_MESSAGE in row.context
+    # ... and a record where the patched engine did not start says so
+    failed = {**m, "patch.engine.served_with_patch": False}
+    bad = {r.label: r for g in overview.headline(failed) for r in g.rows}["real vLLM engine"]
+    assert bad.value == "refused without the patch, FAILED with it"
 
 
 def test_recorded_gpu_full_workbook_on_vllm() -> None:
@@ -318,12 +328,21 @@ def test_recorded_gpu_full_workbook_on_vllm() -> None:
     assert m["03_engine"]["data.engine"] == "vllm" and m["03_engine"]["data.num_samples"] == 4096
     acc = m["05_acceptance"]
     stats = acc["acceptance.decoded_stats"]
-    tau = 1 + stats["num_accepted_tokens"] / stats["num_drafts"]
-    assert tau == pytest.approx(stats["mean_acceptance_length"]) and tau >= 2.5
+    # vLLM's raw counters through our SpecDecodeStats: tau and the per-position rates the record states.
+    engine = A.SpecDecodeStats(num_drafts=stats["num_drafts"], num_draft_tokens=stats["num_draft_tokens"],
+                               num_accepted_tokens=stats["num_accepted_tokens"],
+                               accepted_per_pos=stats["accepted_per_pos"])
+    assert engine.mean_acceptance_length == pytest.approx(stats["mean_acceptance_length"], rel=1e-12)
+    assert engine.mean_acceptance_length == pytest.approx(1 + 5025 / 3185) and engine.mean_acceptance_length >= 2.5
+    assert engine.per_position_rate == pytest.approx(acc["acceptance.engine_per_position"], rel=1e-12)
     assert sum(stats["accepted_per_pos"]) == stats["num_accepted_tokens"]
-    pairs = zip(acc["acceptance.engine_per_position"], acc["acceptance.reference_per_position"], strict=True)
-    gaps = [abs(a - b) for a, b in pairs]
-    assert max(gaps) == pytest.approx(acc["acceptance.engine_reference_max_gap"], abs=1e-4) and max(gaps) < 0.05
+    # The gap to the reference decoder, as engine_vs_reference computes it (the reference's rates as counters
+    # over 10^6 rounds: exact to 5e-7), against the recorded gap and verdict.
+    n = 10**6
+    ref = A.SpecDecodeStats(num_drafts=n, accepted_per_pos=[round(r * n) for r in acc["acceptance.reference_per_position"]])
+    side = A.engine_vs_reference(engine, ref)
+    assert side.max_gap == pytest.approx(acc["acceptance.engine_reference_max_gap"], abs=1e-4)
+    assert side.agree is acc["acceptance.engine_reference_agree"] is True
     # the page says outputs are not all equal to greedy; the record agrees with itself on how many differ
     assert not acc["acceptance.outputs_match_greedy"]
     assert acc["acceptance.mismatching_prompts"] == len(acc["acceptance.first_divergence"]) == 8
