@@ -179,18 +179,22 @@ def write_meta(out_dir: str | Path, meta: dict[str, Any]) -> Path:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file (a torn last line, from a kill mid-write, is ignored)."""
+    """Records of a JSONL file. A torn last line (no newline after it: a kill mid-write) is ignored; any other
+    line that is not JSON raises ValueError naming the file and the line number, never a silent stop."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"JSONL file does not exist: {path}")
+    lines = path.read_bytes().split(b"\n")
     out = []
-    for line in path.read_bytes().split(b"\n"):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
+        except json.JSONDecodeError as exc:
+            if n == len(lines):  # the last piece has no newline after it: an append cut short
+                break
+            raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg}); the file is corrupt") from None
     return out
 
 
@@ -203,24 +207,27 @@ def read_samples(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _repair_tail(path: Path) -> set[int]:
-    """Truncate a torn last line and return the ids already present."""
+    """Truncate a torn last line and return the ids already present.
+
+    Only the piece after the last newline can be torn (the file is appended to and fsynced batch by batch);
+    a complete line that is not a record means the file is corrupt: ValueError naming the file and the line,
+    rather than cutting every record after it."""
     if not path.exists():
         return set()
     data = path.read_bytes()
     keep = data.rfind(b"\n") + 1  # everything after the last newline is a partial record
     ids: set[int] = set()
-    good = 0
-    for line in data[:keep].split(b"\n"):
+    for n, line in enumerate(data[:keep].split(b"\n"), 1):
         if not line:
             continue
         try:
             ids.add(int(json.loads(line)["id"]))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            break
-        good += len(line) + 1
-    if good != len(data):
+            raise ValueError(f"{path}:{n}: not a sample record ({line[:60]!r}); the file is corrupt: delete it "
+                             "to regenerate the samples") from None
+    if keep != len(data):
         with open(path, "r+b") as f:
-            f.truncate(good)
+            f.truncate(keep)
     return ids
 
 
