@@ -164,3 +164,35 @@ def test_until_stops_after_a_step_and_resume_finishes(workbook, capsys):
     assert cli.main(["run", "--resume", str(run_dir), "--until", "03", "--no-progress"]) == 0
     m = json.loads((run_dir / "metrics.json").read_text())
     assert [s["status"] for s in m["steps"]] == ["ok", "ok", "ok"] and m["metrics"]["03_third"]["third.value"] == 3
+
+
+def test_metrics_json_is_replaced_whole_or_not_at_all(workbook, monkeypatch):
+    """A run killed while it rewrites metrics.json must leave the previous file, never half of the new one: the
+    summary goes to a temporary file that replaces metrics.json in one rename. The kill is simulated by a write
+    that stops half way."""
+    _nb(workbook / "notebooks" / "01_first.ipynb", "wb.record('first.value', 1)")
+    res = runner.run(progress=False)
+    path = res.run_dir / "metrics.json"
+    before = path.read_text()
+    real_write = Path.write_text
+
+    def torn_write(self, data, *args, **kwargs):
+        if self.name.startswith("metrics.json"):
+            real_write(self, data[: len(data) // 2], *args, **kwargs)
+            raise OSError("killed mid-write")
+        return real_write(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", torn_write)
+    with pytest.raises(OSError, match="killed mid-write"):
+        runner._write_summary(res, None, {"run": res.run_dir.name, "rewritten": True})
+    monkeypatch.undo()
+    assert path.read_text() == before and json.loads(before)["ok"] is True
+
+
+def test_resume_names_a_corrupt_metrics_json(workbook, capsys):
+    _nb(workbook / "notebooks" / "01_first.ipynb", "wb.record('first.value', 1)")
+    res = runner.run(progress=False)
+    (res.run_dir / "metrics.json").write_text('{"run": {"run": "x"}, "steps": [{"name": "01_fi')
+    assert cli.main(["run", "--resume", str(res.run_dir), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert str(res.run_dir / "metrics.json") in err and "not valid JSON" in err

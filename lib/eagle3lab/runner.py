@@ -146,6 +146,26 @@ def _vllm_log_summary(run_dir: Path) -> str | None:
     return f"vLLM log: logs/vllm.log ({len(lines)} lines, {serious} WARNING/ERROR)"
 
 
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, then one rename. ``metrics.json`` is what
+    ``--resume`` reads back, so a run killed while rewriting it must leave the previous version."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_summary(summary_file: Path) -> dict[str, Any]:
+    """A run's ``metrics.json``; a file that is not JSON (or not a run's summary) is a ParamsError naming it."""
+    try:
+        summary = json.loads(summary_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise params_mod.ParamsError(str(summary_file), "metrics.json", f"not valid JSON ({exc}): the run's record "
+                                     "is corrupt, so it cannot be resumed") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("steps"), list):
+        raise params_mod.ParamsError(str(summary_file), "steps", "not a run's summary (no list of steps)")
+    return summary
+
+
 def _write_summary(result: RunResult, p: params_mod.Params, info: dict[str, Any]) -> None:
     metrics = read_metrics(result.run_dir)
     summary = {
@@ -154,7 +174,7 @@ def _write_summary(result: RunResult, p: params_mod.Params, info: dict[str, Any]
         "steps": [asdict(s) for s in result.steps],
         "metrics": metrics,
     }
-    (result.run_dir / "metrics.json").write_text(json.dumps(summary, indent=2, sort_keys=False))
+    _write_text_atomic(result.run_dir / "metrics.json", json.dumps(summary, indent=2, sort_keys=False))
     title = f"eagle3lab run {result.run_dir.name}"
     files = [f for f in ("metrics.json", "run.log", "params.yaml", "logs/vllm.log") if (result.run_dir / f).is_file()]
     page = overview.index_html(title, [asdict(s) for s in result.steps], metrics, info, files)
@@ -222,7 +242,7 @@ def resume(run_dir: str | Path, progress: bool = True, until: str | None = None)
     for f in (summary_file, pfile):
         if not f.is_file():
             raise params_mod.ParamsError(str(run_dir), f.name, "not a run folder (no such file): nothing to resume")
-    summary = json.loads(summary_file.read_text())
+    summary = read_summary(summary_file)
     p = params_mod.load(pfile)
     injected = params_mod.to_jsonable(p)
     by_name = {nb.stem: nb for nb in discover_notebooks(root)}
