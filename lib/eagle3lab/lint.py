@@ -328,6 +328,11 @@ def lint_drafter(drafter_config: str | Path, target_config: str | Path) -> LintR
             )
 
     # -- vocabularies ----------------------------------------------------------------------------------
+    # The drafter's vocab_size is the target's vocabulary (embeddings, and what d2t maps into): vLLM builds
+    # the drafter for that size, so another one mismatches the target's token ids.
+    d_vocab = dcfg.get("vocab_size") or layer_cfg.get("vocab_size")
+    if d_vocab is not None and V_t is not None and int(d_vocab) != int(V_t):
+        report.add("error", "VOCAB_SIZE", f"the drafter's vocab_size {d_vocab} != the target's vocab_size {V_t}")
     dv = dcfg.get("draft_vocab_size") or layer_cfg.get("draft_vocab_size")
     if dv is not None and V_t is not None:
         if int(dv) > int(V_t):

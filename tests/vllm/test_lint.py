@@ -218,3 +218,34 @@ def test_missing_drafter_config(tmp_path):
 
     with pytest.raises(InputError, match="config not found"):
         lint_drafter(tmp_path / "nope", _target(tmp_path))
+
+
+@pytest.mark.parametrize("where", ["top level", "transformer_layer_config"])
+def test_drafter_vocab_size_must_be_the_targets(tmp_path, where):
+    """A drafter's vocab_size is the target's vocabulary (its d2t maps into it); another size makes vLLM build
+    embeddings and a token map for a vocabulary the target does not have."""
+    t = _target(tmp_path, layers=6, hidden=8, vocab=64)
+    layer = {"model_type": "llama", "hidden_size": 8}
+    over = {"vocab_size": 65} if where == "top level" else {"transformer_layer_config": {**layer, "vocab_size": 65}}
+    kw = {"transformer_layer_config": layer, **over}
+    r = lint_drafter(_drafter(tmp_path, SMALL, target_hidden_size=8, draft_vocab_size=10,
+                              eagle_aux_hidden_state_layer_ids=[1, 3, 6], **kw), t)
+    msgs = [f.message for f in r.findings if f.code == "VOCAB_SIZE" and f.severity == "error"]
+    assert msgs and "vocab_size 65" in msgs[0] and "64" in msgs[0], format_lint(r)
+    # the same drafter with the target's vocab_size is clean
+    same = {"vocab_size": 64} if where == "top level" else {"transformer_layer_config": {**layer, "vocab_size": 64}}
+    r = lint_drafter(_drafter(tmp_path, SMALL, target_hidden_size=8, draft_vocab_size=10,
+                              eagle_aux_hidden_state_layer_ids=[1, 3, 6], **{**kw, **same}), t)
+    assert not r.has_errors, format_lint(r)
+
+
+def test_d2t_length_and_lm_head_rows_must_be_the_draft_vocab(tmp_path):
+    t = _target(tmp_path, layers=6, hidden=8, vocab=64)
+    cfg = dict(target_hidden_size=8, draft_vocab_size=10, eagle_aux_hidden_state_layer_ids=[1, 3, 6],
+               transformer_layer_config={"model_type": "llama", "hidden_size": 8})
+    r = lint_drafter(_drafter(tmp_path, {**SMALL, "d2t": [9]}, **cfg), t)
+    assert [f.message for f in r.findings if f.code == "VOCAB_D2T" and f.severity == "error"] == [
+        "d2t has 9 entries, draft_vocab_size is 10"], format_lint(r)
+    r = lint_drafter(_drafter(tmp_path, {**SMALL, "lm_head.weight": [12, 8]}, **cfg), t)
+    assert [f.message for f in r.findings if f.code == "VOCAB_SIZE" and f.severity == "error"] == [
+        "lm_head.weight has 12 rows, draft_vocab_size is 10"], format_lint(r)
