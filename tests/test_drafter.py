@@ -199,3 +199,20 @@ def test_vllm_reads_saved_config(tmp_path: Path):
     assert hf.rope_parameters["rope_theta"] == 1000.0 and hf.num_hidden_layers == 1 and hf.head_dim == 8
     raw = json.loads((out / "config.json").read_text())
     assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 4]  # top level: DESIGN.md
+
+
+def test_corrupt_drafter_weights_are_named(tmp_path: Path):
+    """A drafter whose model.safetensors was cut short says which file, not safetensors' header message alone."""
+    from eagle3lab.errors import CorruptFileError
+
+    out = save_drafter(tiny_drafter(hidden_size=16, shared_embeddings=False, intermediate_size=24), tmp_path / "d",
+                       "some/target")
+    weights = out / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes(raw[: len(raw) - 100])
+    with pytest.raises(CorruptFileError, match="truncated") as err:
+        load_drafter(out)
+    assert str(weights) in str(err.value)
+    weights.write_bytes(b"{not a header" + raw[13:])
+    with pytest.raises(CorruptFileError, match="corrupt drafter weights file"):
+        load_drafter(out)

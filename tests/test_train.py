@@ -183,3 +183,26 @@ def test_accuracy_summary_follows_the_numbers():
     assert accuracy_summary([0.5, 0.6, 0.7]).startswith("accuracy rises")
     assert accuracy_summary([0.031, 0.0, 0.016]).startswith("accuracy is low at every position")
     assert "0.937 / 0.936 / 0.934" in accuracy_summary([0.937, 0.936, 0.934])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "not a checkpoint"])
+def test_corrupt_training_checkpoint_is_named(tmp_path: Path, damage: str):
+    """A train state that torch cannot read (cut short, overwritten) or that holds something else is an error
+    naming the file and what to do, not torch's zip-reader message naming none."""
+    from eagle3lab.errors import CorruptFileError
+    from eagle3lab.train import CKPT_NAME
+
+    data = make_data(4)
+    kw = dict(epochs=1, batch_size=2, checkpoint_dir=tmp_path, progress=False)
+    train_drafter(make_drafter(), data, **kw)
+    ckpt = tmp_path / CKPT_NAME
+    raw = ckpt.read_bytes()
+    if damage == "truncated":
+        ckpt.write_bytes(raw[: len(raw) // 2])
+    elif damage == "garbage":
+        ckpt.write_bytes(b"\0" * 64 + raw[64:])
+    else:
+        torch.save({"step": 3}, ckpt)
+    with pytest.raises(CorruptFileError) as err:
+        train_drafter(make_drafter(), data, **kw)
+    assert str(ckpt) in str(err.value) and "delete it to train from scratch" in str(err.value)

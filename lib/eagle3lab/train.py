@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from eagle3lab import provenance
 from eagle3lab.drafter import Eagle3Drafter, VocabCoverage, causal_mask, target_to_draft, vocab_coverage
+from eagle3lab.errors import CorruptFileError
 from eagle3lab.progress import progress as progress_bar
 
 log = logging.getLogger(__name__)
@@ -225,6 +226,22 @@ def _atomic_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+CKPT_KEYS = ("model", "optimizer", "step", "rng", "result")
+
+
+def _read_checkpoint(path: Path, device: str | torch.device) -> dict[str, Any]:
+    """The training checkpoint at ``path``; a file torch cannot read, or one without a checkpoint's keys, is a
+    CorruptFileError naming it (torch's own message names no file and comes from deep inside its reader)."""
+    remedy = "delete it to train from scratch"
+    try:
+        ck = torch.load(path, map_location=device, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - zip, pickle, EOF and safetensors errors all mean the same here
+        raise CorruptFileError(path, "drafter training checkpoint", exc, remedy) from None
+    if not isinstance(ck, dict) or not all(k in ck for k in CKPT_KEYS):
+        raise CorruptFileError(path, "drafter training checkpoint", f"expected the keys {list(CKPT_KEYS)}", remedy)
+    return ck
+
+
 def _fingerprint(drafter: Eagle3Drafter, dataset: Any, **hp: Any) -> dict[str, Any]:
     # What must not change between an interrupted run and its resume: the drafter's shape, the settings,
     # and the data (a HiddenStateDataset's fingerprint names the samples and the target it came from).
@@ -300,7 +317,7 @@ def train_drafter(
     if ckpt_path is not None:
         ckpt_path.parent.mkdir(parents=True, exist_ok=True)
     if ckpt_path is not None and resume and ckpt_path.is_file():
-        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
+        ck = _read_checkpoint(ckpt_path, device)
         stale = provenance.changed(ck.get("fingerprint"), fp)
         if stale and on_mismatch == "refuse":
             raise ValueError(

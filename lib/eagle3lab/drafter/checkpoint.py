@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from eagle3lab.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3lab.errors import check_safetensors
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -44,6 +45,7 @@ def target_embedding_weights(target_path: str | Path) -> tuple[torch.Tensor, tor
 
     embed = head = None
     for f in _safetensors_files(Path(target_path)):
+        check_safetensors(f, "target weights file")
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():  # noqa: SIM118 (safe_open handles are not mappings)
                 if name.endswith("embed_tokens.weight") and "mtp" not in name and embed is None:
@@ -164,6 +166,7 @@ def load_drafter(
         raise ValueError(f"{cfg_file}: not a speculators eagle3 config (speculators_model_type missing or different)")
     ours = (raw.get("eagle3lab") or {}).get("drafter_config")
     cfg = DrafterConfig(**ours) if ours else _config_from_speculators(raw)
+    check_safetensors(w_file, "drafter weights file", "save the drafter again (rerun 04_train_drafter)")
     sd = load_file(str(w_file))
     drafter = Eagle3Drafter(cfg, sd["d2t"], sd["t2d"].bool())
     if cfg.shared_embeddings:
