@@ -62,7 +62,7 @@ AUX_TOL = 0.0  # our forward does what vLLM's does, op for op: anything but equa
 
 def child(job: dict[str, Any]) -> dict[str, Any]:
     """Run one engine configuration: its workloads, timings and counters, as JSON."""
-    from eagle3lab.engine import VllmEngine, _metric_dicts
+    from eagle3lab.engines.vllm_offline import VllmEngine, metric_dicts
 
     res: dict[str, Any] = {"name": job["name"]}
     opts = dict(job["options"])
@@ -79,7 +79,7 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     if job.get("capture_aux"):
         import torch
 
-        from eagle3lab.engine_capture import drain_aux_capture, install_aux_capture, remove_aux_capture
+        from eagle3lab.engines.workers import drain_aux_capture, install_aux_capture, remove_aux_capture
 
         llm.apply_model(install_aux_capture)
         # one prompt at a time, one token each: every forward is one prompt's prefill
@@ -104,8 +104,8 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     res["outputs"] = outs
     if spec is not None:
         res["stats"] = stats_from_vllm_metrics(before, after).to_dict()
-        res["metrics_before"] = _metric_dicts(before)
-        res["metrics_after"] = _metric_dicts(after)
+        res["metrics_before"] = metric_dicts(before)
+        res["metrics_after"] = metric_dicts(after)
     if job.get("bench"):
         bench = {}
         for b in job["bench"]:
@@ -136,7 +136,7 @@ def live_child(job: dict[str, Any]) -> None:
 
     from eagle3lab import speed as SPD
     from eagle3lab.acceptance import stats_from_vllm_metrics
-    from eagle3lab.engine import VllmEngine
+    from eagle3lab.engines.vllm_offline import VllmEngine
 
     conn = SPD.live_connection()
     try:
@@ -212,7 +212,7 @@ def deep_target_dir(layers: int) -> Path:
 
 
 def run_child(job: dict[str, Any], out_dir: Path, patch: dict[str, bool] | None, timeout: float = 500) -> dict:
-    from eagle3lab.serve import run_in_group
+    from eagle3lab.engines.processes import run_in_group
 
     env = engine_env(patch)
     name = job["name"]
@@ -243,7 +243,7 @@ def _reference(run_dir: Path, prompts: list[list[int]], k: int, max_tokens: int)
     """The reference decoder (transformers, float32) on the same GPU, drafter and prompts."""
     import torch
 
-    from eagle3lab.engine import ReferenceEngine
+    from eagle3lab.engines.reference import ReferenceEngine
 
     eng = ReferenceEngine(run_dir / "artifacts/target", device="cuda", dtype="float32")
     eng.eos_token_id = None  # the vLLM runs ignore EOS: compare like with like
@@ -280,8 +280,8 @@ def _extraction_bench(run_dir: Path, aux_ids: list[int], n_samples: int = 256, d
 
     import torch
 
-    from eagle3lab.engine import ReferenceEngine
-    from eagle3lab.hidden_states import extract_hidden_states
+    from eagle3lab.engines.reference import ReferenceEngine
+    from eagle3lab.aux_states.shards import extract_hidden_states
     from eagle3lab.synthetic import read_samples, write_jsonl_atomic
 
     eng = ReferenceEngine(target or run_dir / "artifacts/target", device=device, dtype="bfloat16")
@@ -320,7 +320,7 @@ def _extraction_bench(run_dir: Path, aux_ids: list[int], n_samples: int = 256, d
     pre_s = time.perf_counter() - t0
     # The same forward extraction runs (stopped at the highest aux layer, no LM head), with no copy to the host
     # and no shard written: what extraction costs beyond the states' own compute.
-    from eagle3lab.hidden_states import ModelAuxSource
+    from eagle3lab.aux_states.shards import ModelAuxSource
 
     src = ModelAuxSource(eng.model)
     sync()
@@ -463,7 +463,7 @@ def suite_tp(run_dir: Path, out: Path, n: int, mt: int, k: int, tp: int) -> dict
 def result_from_files(out: Path, name: str, exit_code: int) -> dict[str, Any]:
     """One child's result as ``run_child`` returns it, rebuilt from its files in OUT (its JSON when it
     finished, its log) and the exit code it printed: for a suite whose children ran over several device calls."""
-    from eagle3lab.engine import refusal_in_log
+    from eagle3lab.engines.launch_probe import refusal_in_log
 
     js, log = out / f"{name}.json", out / f"{name}.log"
     r = json.loads(js.read_text()) if exit_code == 0 and js.is_file() else {"name": name}
@@ -668,7 +668,7 @@ def divergence_summary(run_dir: Path, prompts: list[list[int]], a: list[list[int
     import torch
 
     from eagle3lab import divergence as DV
-    from eagle3lab.target import load_target
+    from eagle3lab.target_loading import load_target
 
     model, _ = load_target(run_dir / "artifacts/target", "cuda" if torch.cuda.is_available() else "cpu", "float32")
     out = DV.summarise(DV.divergence_margins(model, prompts, a, b), compared=len(prompts))
@@ -681,7 +681,7 @@ def suite_served(run_dir: Path, out: Path, n: int, mt: int, k: int) -> dict[str,
     """``vllm serve`` on the GPU through VllmServedEngine: baseline, then EAGLE-3 under the legacy simulation
     with the patch (through the plugin), then a clean shutdown with no process of the server left."""
     from eagle3lab.plugin import plugin_env
-    from eagle3lab.serve import VllmServedEngine
+    from eagle3lab.engines.vllm_served import VllmServedEngine
 
     prompts = _prompts(run_dir, n)
     pids_before = _gpu_pids()

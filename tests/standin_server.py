@@ -1,4 +1,4 @@
-"""The smallest stand-in for ``vllm serve`` that speaks the HTTP API eagle3lab.serve uses.
+"""The smallest stand-in for ``vllm serve`` that speaks the HTTP API eagle3lab.engines.vllm_served uses.
 
 It takes vllm serve's command line (unknown options ignored) and serves, on --host/--port:
 - ``GET /health``: 200 once started;

@@ -12,7 +12,7 @@ import pytest
 from eagle3lab import acceptance as A
 from eagle3lab import acceptance_report as AR
 from eagle3lab.acceptance import SpecDecodeStats
-from eagle3lab.engine import Batch1Timing
+from eagle3lab.engines.base import Batch1Timing
 
 
 def stats(k: int, accepted: list[int]) -> SpecDecodeStats:

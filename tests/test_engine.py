@@ -5,15 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3lab import engine as E
 from eagle3lab import target as T
+from eagle3lab.engines import base as EB
+from eagle3lab.engines import factory as EF
+from eagle3lab.engines import reference as ER
+from eagle3lab.engines import vllm_offline as EO
 
 
 @pytest.fixture(scope="module")
 def eng(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
     T.build_embedded_target(T.tiny_spec(train_steps=6), path, seed=0)
-    return E.make_engine("reference", path, device="cpu")
+    return EF.make_engine("reference", path, device="cpu")
 
 
 def _greedy_by_recomputation(model, prompt, n, eos):
@@ -29,14 +32,14 @@ def _greedy_by_recomputation(model, prompt, n, eos):
     return out
 
 
-@pytest.mark.parametrize("impl", [E.ReferenceEngine, E.VllmEngine], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("impl", [ER.ReferenceEngine, EO.VllmEngine], ids=lambda c: c.__name__)
 def test_engines_take_the_protocols_arguments(impl):
     """Every engine accepts the Protocol's parameters, by the same names, in the same order, with the same
     defaults (a runtime_checkable isinstance only looks at method names), so notebooks can swap engines."""
     import inspect
 
     for name in ("generate", "speculative_generate"):
-        want = list(inspect.signature(getattr(E.Engine, name)).parameters.values())
+        want = list(inspect.signature(getattr(EB.Engine, name)).parameters.values())
         have = inspect.signature(getattr(impl, name)).parameters
         for p in want:
             assert p.name in have, f"{impl.__name__}.{name} lacks parameter {p.name!r}"
@@ -82,9 +85,9 @@ def test_sampling_follows_temperature(eng):
 
 
 def test_cut_at_eos():
-    assert E.cut_at_eos([4, 5, 1, 2, 2], 1) == [4, 5, 1]
-    assert E.cut_at_eos([4, 5], 1) == [4, 5]
-    assert E.cut_at_eos([4, 1], None) == [4, 1]
+    assert EB.cut_at_eos([4, 5, 1, 2, 2], 1) == [4, 5, 1]
+    assert EB.cut_at_eos([4, 5], 1) == [4, 5]
+    assert EB.cut_at_eos([4, 1], None) == [4, 1]
 
 
 def test_errors(eng, tmp_path):
@@ -93,10 +96,10 @@ def test_errors(eng, tmp_path):
     with pytest.raises(ValueError, match="empty"):
         eng.generate([[1, 2], []], 4)
     with pytest.raises(FileNotFoundError, match="config.json"):
-        E.make_engine("vllm", tmp_path)  # an empty folder is refused before vLLM is started
+        EF.make_engine("vllm", tmp_path)  # an empty folder is refused before vLLM is started
     with pytest.raises(ValueError, match="expected"):
-        E.make_engine("sglang", tmp_path)
+        EF.make_engine("sglang", tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        E.make_engine("reference", tmp_path / "none")
+        EF.make_engine("reference", tmp_path / "none")
     with pytest.raises(FileNotFoundError, match="drafter"):
         eng.speculative_generate([[1, 2]], tmp_path / "no-drafter", 3, 4)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3lab import hidden_states as H
+from eagle3lab.aux_states import shards as H
 from test_serve import _random_mla_target, _vllm_cpu_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,9 +23,10 @@ ENGINE_TOL = 5e-2
 _SCRIPT = """
 import json, sys
 from pathlib import Path
-from eagle3lab.engine import VllmEngine, random_probe_drafter
-from eagle3lab.engine_capture import EngineAuxSource
-from eagle3lab.hidden_states import extract_hidden_states
+from eagle3lab.engines.launch_probe import random_probe_drafter
+from eagle3lab.engines.vllm_offline import VllmEngine
+from eagle3lab.engines.capture import EngineAuxSource
+from eagle3lab.aux_states.shards import extract_hidden_states
 from eagle3lab.plugin import plugin_env
 
 if __name__ == "__main__":
@@ -49,7 +50,7 @@ def test_in_engine_extraction_equals_transformers(tmp_path):
     py = _vllm_cpu_python()
     if py is None:
         pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
-    from eagle3lab import target as T
+    from eagle3lab import target_loading as TL
     from eagle3lab.plugin import CPU_FIXES_ENV
     from eagle3lab.synthetic import write_jsonl_atomic
 
@@ -71,7 +72,7 @@ def test_in_engine_extraction_equals_transformers(tmp_path):
                          timeout=900, cwd=ROOT)
     assert res.returncode == 0 and "EXTRACTED 4" in res.stdout, (res.stdout + res.stderr)[-4000:]
 
-    model, _ = T.load_target(tmp_path / "target", dtype="float32")
+    model, _ = TL.load_target(tmp_path / "target", dtype="float32")
     H.extract_hidden_states(model, samples_path, ids, tmp_path / "hf", shard_sequences=2, batch_size=2,
                             dtype="float32", progress=False)
     eng_ds, hf_ds = H.HiddenStateDataset(tmp_path / "eng" / "hidden"), H.HiddenStateDataset(tmp_path / "hf")

@@ -6,9 +6,12 @@ import json
 
 import pytest
 
-from eagle3lab import engine as E
 from eagle3lab import params
 from eagle3lab import target as T
+from eagle3lab.engines import factory as EF
+from eagle3lab.engines import launch_probe as EL
+from eagle3lab.engines import reference as ER
+from eagle3lab.engines import vllm_offline as EO
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +29,8 @@ def _profile(**over: object) -> params.Params:
 def test_offline_engine_gets_every_engine_parameter(tiny_target) -> None:
     p = _profile(**{"engine.tensor_parallel_size": 2, "engine.gpu_memory_utilization": 0.31,
                     "engine.max_model_len": 777, "engine.enforce_eager": True, "seed": 5})
-    eng = E.engine_from_params(p, tiny_target)
-    assert isinstance(eng, E.VllmEngine)
+    eng = EF.engine_from_params(p, tiny_target)
+    assert isinstance(eng, EO.VllmEngine)
     o = eng.options
     assert (o["tensor_parallel_size"], o["gpu_memory_utilization"], o["max_model_len"], o["enforce_eager"], o["seed"]) == (
         2, 0.31, 777, True, 5)
@@ -38,20 +41,20 @@ def test_offline_engine_gets_every_engine_parameter(tiny_target) -> None:
 
 
 def test_attention_backend_only_when_named(tiny_target, tmp_path) -> None:
-    assert "attention_backend" not in E.engine_from_params(_profile(), tiny_target).options
+    assert "attention_backend" not in EF.engine_from_params(_profile(), tiny_target).options
     p = _profile(**{"engine.attention_backend": "CPU_MLA"})
-    assert E.engine_from_params(p, tiny_target).options["attention_backend"] == "CPU_MLA"
-    served = E.engine_from_params(_profile(**{"engine.mode": "served", "engine.attention_backend": "CPU_MLA"}),
+    assert EF.engine_from_params(p, tiny_target).options["attention_backend"] == "CPU_MLA"
+    served = EF.engine_from_params(_profile(**{"engine.mode": "served", "engine.attention_backend": "CPU_MLA"}),
                                   tiny_target, log_dir=tmp_path)
     try:
         assert served.base_spec.attention_backend == "CPU_MLA"
     finally:
         served.close()
-    assert "attention_backend" not in E.engine_from_params(p, tiny_target).eagle3_config("/d", 3)
+    assert "attention_backend" not in EF.engine_from_params(p, tiny_target).eagle3_config("/d", 3)
     p = _profile(**{"engine.draft_attention_backend": "CPU_ATTN"})
-    assert E.engine_from_params(p, tiny_target).eagle3_config("/d", 3) == {
+    assert EF.engine_from_params(p, tiny_target).eagle3_config("/d", 3) == {
         "method": "eagle3", "model": "/d", "num_speculative_tokens": 3, "attention_backend": "CPU_ATTN"}
-    served = E.engine_from_params(_profile(**{"engine.mode": "served", "engine.draft_attention_backend": "CPU_MLA"}),
+    served = EF.engine_from_params(_profile(**{"engine.mode": "served", "engine.draft_attention_backend": "CPU_MLA"}),
                                   tiny_target, log_dir=tmp_path)
     try:
         assert served.base_spec.draft_attention_backend == "CPU_MLA" and served.base_spec.attention_backend is None
@@ -66,32 +69,32 @@ def test_attention_backend_only_when_named(tiny_target, tmp_path) -> None:
 
 
 def test_trust_remote_code_only_when_stated(tiny_target) -> None:
-    assert E.engine_from_params(_profile(), tiny_target).options["trust_remote_code"] is False
-    eng = E.engine_from_params(_profile(**{"target.trust_remote_code": True}), tiny_target)
+    assert EF.engine_from_params(_profile(), tiny_target).options["trust_remote_code"] is False
+    eng = EF.engine_from_params(_profile(**{"target.trust_remote_code": True}), tiny_target)
     assert eng.options["trust_remote_code"] is True
 
 
 def test_served_mode_builds_the_served_engine_with_the_patch_env(tiny_target, tmp_path) -> None:
-    from eagle3lab.serve import VllmServedEngine
+    from eagle3lab.engines.vllm_served import VllmServedEngine
 
     p = _profile(**{"engine.mode": "served", "patch.force": True})
-    eng = E.engine_from_params(p, tiny_target, log_dir=tmp_path)
+    eng = EF.engine_from_params(p, tiny_target, log_dir=tmp_path)
     try:
         assert isinstance(eng, VllmServedEngine)
     finally:
         eng.close()
     with pytest.raises(ValueError, match="log folder"):
-        E.engine_from_params(p, tiny_target)
+        EF.engine_from_params(p, tiny_target)
 
 
 def test_reference_profile_gets_the_reference_engine(tiny_target) -> None:
     p = params.load("params/embedded.yaml")
-    assert isinstance(E.engine_from_params(p, tiny_target), E.ReferenceEngine)
+    assert isinstance(EF.engine_from_params(p, tiny_target), ER.ReferenceEngine)
 
 
 def test_vllm_engine_refuses_a_missing_target(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="config.json"):
-        E.VllmEngine(tmp_path)
+        EO.VllmEngine(tmp_path)
 
 
 def test_engine_processes_log_to_the_run_not_the_page(tmp_path, capfd) -> None:
@@ -100,7 +103,7 @@ def test_engine_processes_log_to_the_run_not_the_page(tmp_path, capfd) -> None:
     import sys
 
     log = tmp_path / "logs" / "vllm-engine.log"
-    with E._stdio_to(log):
+    with EO._stdio_to(log):
         child = subprocess.Popen([sys.executable, "-c", "import sys, time; print('core out'); time.sleep(0.5); "
                                   "print('core err later', file=sys.stderr)"])
     print("back on the page")
@@ -118,8 +121,8 @@ def test_refusal_read_from_the_h200_engine_core_log() -> None:
     from eagle3lab.vllm_compat import REFUSAL_MESSAGE
 
     logs = Path("benchmarks/gpu/20261129-h200/proofs")
-    assert E.refusal_in_log((logs / "legacy.log").read_text()) == REFUSAL_MESSAGE
-    assert E.refusal_in_log((logs / "patched-eager.log").read_text()) is None
+    assert EL.refusal_in_log((logs / "legacy.log").read_text()) == REFUSAL_MESSAGE
+    assert EL.refusal_in_log((logs / "patched-eager.log").read_text()) is None
 
 
 def test_wall_times_follow_one_warm_up_per_engine_start(tiny_target, monkeypatch) -> None:
@@ -127,7 +130,7 @@ def test_wall_times_follow_one_warm_up_per_engine_start(tiny_target, monkeypatch
     the first prompts, once per engine start, and that pass is outside the counters' before/after window."""
     import eagle3lab.acceptance as A
 
-    eng = E.VllmEngine(tiny_target)
+    eng = EO.VllmEngine(tiny_target)
     calls: list[tuple[str, int]] = []
     starts: list[object] = []
 
@@ -148,7 +151,7 @@ def test_wall_times_follow_one_warm_up_per_engine_start(tiny_target, monkeypatch
     monkeypatch.setattr(eng, "llm", fake_llm)
     monkeypatch.setattr(eng, "_sampling", lambda *a, **k: None)
     monkeypatch.setattr(eng, "_run", lambda llm, prompts, sp: calls.append(("run", len(prompts))) or [[1]] * len(prompts))
-    monkeypatch.setattr(A, "stats_from_vllm_metrics", lambda before, after: A.SpecDecodeStats())
+    monkeypatch.setattr(EO, "stats_from_vllm_metrics", lambda before, after: A.SpecDecodeStats())
     prompts = [[1, 2, 3]] * 20
     eng.generate(prompts, 4)
     eng.generate(prompts, 4)
@@ -175,7 +178,7 @@ def test_engine_processes_are_spawned_with_their_output_in_the_log(tiny_target, 
             os.write(1, b"engine core says hello\n")  # what an inheriting child process would write
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
-    eng = E.VllmEngine(tiny_target, log_dir=tmp_path)
+    eng = EO.VllmEngine(tiny_target, log_dir=tmp_path)
     eng.llm(None)
     assert seen["method"] == "spawn"
     assert "engine core says hello" in (tmp_path / "vllm-engine.log").read_text()
@@ -184,8 +187,8 @@ def test_engine_processes_are_spawned_with_their_output_in_the_log(tiny_target, 
 
 def test_extraction_engine_is_offline_with_its_extra_options(tiny_target, tmp_path) -> None:
     p = _profile(**{"engine.mode": "served"})
-    eng = E.engine_from_params(p, tiny_target, log_dir=tmp_path, offline=True,
+    eng = EF.engine_from_params(p, tiny_target, log_dir=tmp_path, offline=True,
                                extra={"enable_prefix_caching": False, "max_num_batched_tokens": 2048})
-    assert isinstance(eng, E.VllmEngine)  # apply_model needs the offline engine, whatever the profile serves with
+    assert isinstance(eng, EO.VllmEngine)  # apply_model needs the offline engine, whatever the profile serves with
     assert eng.options["enable_prefix_caching"] is False and eng.options["max_num_batched_tokens"] == 2048
     assert json.loads(eng.patch_env["EAGLE3LAB_PATCH"])["legacy_simulation"] is True

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3lab import engine as E
-from eagle3lab import extraction as X
-from eagle3lab import hidden_states as H
 from eagle3lab import target as T
+from eagle3lab.aux_states import hooks as H
+from eagle3lab.aux_states import route as X
+from eagle3lab.engines import factory as EF
 
 IDS = [1, 3, 4]
 SAMPLES = [{"prompt_ids": [5, 9, 17, 3], "output_ids": [8, 2, 11]}]
@@ -38,7 +38,7 @@ class ClosableEngine:
 
 
 def test_reference_engine_extracts_with_its_own_model(target_path, tmp_path):
-    eng = E.make_engine("reference", target_path, device="cpu")
+    eng = EF.make_engine("reference", target_path, device="cpu")
     route = X.aux_route(_params(), eng, target_path, IDS, SAMPLES, tmp_path / "w", tmp_path / "logs")
     assert route.source is eng.model
     assert route.metrics["hidden.extractor"] == "transformers on cpu"
@@ -55,6 +55,6 @@ def test_another_engine_is_closed_and_the_target_loaded(target_path, tmp_path):
 
 def test_disagreeing_capture_stops(target_path, tmp_path, monkeypatch):
     monkeypatch.setattr(X, "verify_aux_mapping", lambda *a, **k: 0.5)
-    eng = E.make_engine("reference", target_path, device="cpu")
+    eng = EF.make_engine("reference", target_path, device="cpu")
     with pytest.raises(RuntimeError, match="disagrees with the hand computation"):
         X.aux_route(_params(), eng, target_path, IDS, SAMPLES, tmp_path / "w", tmp_path / "logs")

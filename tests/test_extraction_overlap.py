@@ -10,8 +10,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from eagle3lab import hidden_states as H
 from eagle3lab import target as T
+from eagle3lab.aux_states import hooks as HK
+from eagle3lab.aux_states import shards as H
 from eagle3lab.synthetic import read_samples
 from test_hidden_states import _samples, _Tok
 
@@ -33,7 +34,7 @@ def _reference_shard(model, recs, batch_size, dtype) -> bytes:
         mask = torch.zeros_like(x)
         for r, s in enumerate(seqs):
             x[r, : len(s)], mask[r, : len(s)] = torch.tensor(s), 1
-        aux = H.target_forward_with_aux(model, x, IDS, mask).aux.to("cpu", dtype)
+        aux = HK.target_forward_with_aux(model, x, IDS, mask).aux.to("cpu", dtype)
         for r, (s, rec) in enumerate(zip(seqs, recs[b : b + batch_size], strict=True)):
             lm = torch.zeros(len(s), dtype=torch.uint8)
             lm[len(rec["prompt_ids"]) :] = 1
@@ -90,7 +91,7 @@ def test_writer_error_is_raised_and_the_run_resumes(model, tmp_path, monkeypatch
         real(tensors, filename, metadata=metadata)
 
     monkeypatch.setattr(H._ShardWriter, "submit", submit)
-    monkeypatch.setattr(safetensors.torch, "save_file", fail_on_second)
+    monkeypatch.setattr(H, "save_file", fail_on_second)  # shards imports it at module level
     with pytest.raises(OSError, match="disk full"):
         H.extract_hidden_states(model, samples, IDS, tmp_path / "h", **KW)
     assert len(calls) == 2  # nothing written after the failed shard: no gap in what the manifest could list
@@ -98,7 +99,7 @@ def test_writer_error_is_raised_and_the_run_resumes(model, tmp_path, monkeypatch
     assert [r["file"] for r in m["shards"]] == ["shard-00000.safetensors"] and not m["complete"]
     assert set(_files(tmp_path / "h")) == {"shard-00000.safetensors"}
 
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr(H, "save_file", real)
     done = H.extract_hidden_states(model, samples, IDS, tmp_path / "h", **KW)
     assert done.complete and done.shards == 3
     assert _files(tmp_path / "h") == _files(tmp_path / "full")
@@ -110,7 +111,7 @@ def test_interrupt_during_a_forward_keeps_the_manifest_on_disk(model, tmp_path, 
     manifest lists only files on disk, and a resumed run gives the uninterrupted result."""
     samples = _samples(tmp_path / "samples.jsonl")
     H.extract_hidden_states(model, samples, IDS, tmp_path / "full", **KW)
-    real, n = H.target_forward_with_aux, []
+    real, n = HK.target_forward_with_aux, []
 
     def interrupted(*args, **kwargs):
         n.append(1)
@@ -153,7 +154,7 @@ def test_writes_overlap_the_next_shards_and_stay_bounded(model, tmp_path, monkey
         written.append(filename)
 
     monkeypatch.setattr(H, "_compute_shard", compute)
-    monkeypatch.setattr(safetensors.torch, "save_file", save)
+    monkeypatch.setattr(H, "save_file", save)
     st = H.extract_hidden_states(model, samples, IDS, tmp_path / "h", **KW)
     assert st.complete and st.shards == 4 and computed == [0, 1, 2, 3]
     assert max(ahead) == H.SHARDS_IN_FLIGHT

@@ -62,7 +62,7 @@ def test_kimi_k25_wrapper_refused_then_patched_on_the_gpu(tmp_path: Path):
     our forward on the inner model. Written 2026-12-04 without a GPU: not run yet."""
     import os
 
-    from eagle3lab.engine import probe_launch, random_probe_drafter
+    from eagle3lab.engines.launch_probe import probe_launch, random_probe_drafter
     from eagle3lab.plugin import plugin_env
     from eagle3lab.target import wrap_as_kimi_k25
     from eagle3lab.vllm_compat import REFUSAL_MESSAGE

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from eagle3lab import hidden_states as H
 from eagle3lab import target as T
+from eagle3lab.aux_states import hooks as HK
+from eagle3lab.aux_states import shards as H
 
 
 class _Tok:
@@ -37,39 +38,39 @@ def _samples(path, n=7, seed=0):
 
 def test_shapes_and_ascending_order(model):
     x = torch.randint(3, 320, (2, 9))
-    out = H.target_forward_with_aux(model, x, [4, 1, 2])
+    out = HK.target_forward_with_aux(model, x, [4, 1, 2])
     h = model.config.hidden_size
     assert out.aux_layer_ids == [1, 2, 4]
     assert out.logits.shape == (2, 9, 320) and out.logits.dtype == torch.float32
     assert out.aux.shape == (2, 9, 3 * h)
-    single = H.target_forward_with_aux(model, x, [2]).aux
+    single = HK.target_forward_with_aux(model, x, [2]).aux
     assert torch.equal(out.aux[..., h : 2 * h], single)
 
 
 def test_without_logits_the_forward_stops_at_the_last_aux_layer(model):
     """Extraction needs no logits: the forward ends at the highest aux id's capture, with the same states."""
     x = torch.randint(3, 320, (2, 9))
-    full = H.target_forward_with_aux(model, x, [1, 2])
+    full = HK.target_forward_with_aux(model, x, [1, 2])
     reached: list[int] = []
     hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: reached.append(i))
              for i, layer in enumerate(model.model.layers)]
     head = model.lm_head.register_forward_pre_hook(lambda m, a: reached.append(-1))
     try:
-        short = H.target_forward_with_aux(model, x, [1, 2], logits=False)
+        short = HK.target_forward_with_aux(model, x, [1, 2], logits=False)
     finally:
         for h in (*hooks, head):
             h.remove()
     assert short.logits is None and torch.equal(short.aux, full.aux)
     assert reached == [0, 1, 2]  # layer 2's input is the last state wanted: no later layer, no LM head
     n = model.config.num_hidden_layers  # the final norm's input: every layer runs, the head does not
-    assert torch.equal(H.target_forward_with_aux(model, x, [n], logits=False).aux,
-                       H.target_forward_with_aux(model, x, [n]).aux)
+    assert torch.equal(HK.target_forward_with_aux(model, x, [n], logits=False).aux,
+                       HK.target_forward_with_aux(model, x, [n]).aux)
 
 
 def test_hand_computation_of_one_layer(model):
     # id 2 is the input of layer 2 = output of layer 1 applied to the id-1 state.
     x = torch.randint(3, 320, (1, 7))
-    out = H.target_forward_with_aux(model, x, [1, 2])
+    out = HK.target_forward_with_aux(model, x, [1, 2])
     h = model.config.hidden_size
     s1, s2 = out.aux[..., :h], out.aux[..., h:]
     inner = model.model
@@ -86,7 +87,7 @@ def test_hand_computation_of_one_layer(model):
 def test_last_id_is_pre_norm(model):
     x = torch.randint(3, 320, (2, 6))
     n = model.config.num_hidden_layers
-    out = H.target_forward_with_aux(model, x, [n])
+    out = HK.target_forward_with_aux(model, x, [n])
     with torch.no_grad():
         logits = model.lm_head(model.model.norm(out.aux))
     assert torch.allclose(logits, out.logits, atol=1e-5)
@@ -98,29 +99,29 @@ def test_last_id_is_pre_norm(model):
 @pytest.mark.parametrize("ids", [[0, 2], [1, 5], [-1], [], [2, 2]])
 def test_bad_ids_rejected(model, ids):
     with pytest.raises(ValueError, match="aux_layer_ids"):
-        H.target_forward_with_aux(model, torch.zeros(1, 3, dtype=torch.long), ids)
+        HK.target_forward_with_aux(model, torch.zeros(1, 3, dtype=torch.long), ids)
 
 
 def test_verify_mapping_with_right_padding(model):
     x = torch.randint(3, 320, (2, 8))
     mask = torch.ones_like(x)
     mask[1, 5:] = 0
-    assert H.verify_aux_mapping(model, x, [1, 3, 4], relative=True) < H.AUX_AGREEMENT_TOL
-    assert H.verify_aux_mapping(model, x, [1, 3, 4], mask, relative=True) < H.AUX_AGREEMENT_TOL
+    assert HK.verify_aux_mapping(model, x, [1, 3, 4], relative=True) < HK.AUX_AGREEMENT_TOL
+    assert HK.verify_aux_mapping(model, x, [1, 3, 4], mask, relative=True) < HK.AUX_AGREEMENT_TOL
 
 
 def test_agreement_tolerance_catches_a_one_layer_shift(model, monkeypatch):
     """The tolerance separates rounding from a wrong mapping: capturing the output of layer k (SGLang's
     convention) instead of its input must fail the check by orders of magnitude."""
     x = torch.randint(3, 320, (2, 8))
-    real = H.target_forward_with_aux
+    real = HK.target_forward_with_aux
 
     def shifted(m, ids, aux_ids, mask=None):
         out = real(m, ids, [i + 1 for i in aux_ids], mask)
-        return H.TargetOutput(out.logits, out.aux, list(aux_ids))
+        return HK.TargetOutput(out.logits, out.aux, list(aux_ids))
 
-    monkeypatch.setattr(H, "target_forward_with_aux", shifted)
-    assert H.verify_aux_mapping(model, x, [1, 2], relative=True) > 100 * H.AUX_AGREEMENT_TOL
+    monkeypatch.setattr(HK, "target_forward_with_aux", shifted)
+    assert HK.verify_aux_mapping(model, x, [1, 2], relative=True) > 100 * HK.AUX_AGREEMENT_TOL
 
 
 def _shard_bytes(d):
@@ -161,7 +162,7 @@ def test_dataset_matches_forward_and_mask(model, tmp_path):
         assert item["input_ids"].tolist() == seq
         assert item["loss_mask"].dtype == torch.bool
         assert item["loss_mask"].tolist() == [False] * len(recs[k]["prompt_ids"]) + [True] * len(recs[k]["output_ids"])
-        ref = H.target_forward_with_aux(model, torch.tensor([seq]), [2, 4]).aux[0]
+        ref = HK.target_forward_with_aux(model, torch.tensor([seq]), [2, 4]).aux[0]
         assert torch.allclose(item["aux"], ref, atol=1e-5)
     toks = list(H.iter_token_ids(tmp_path / "h"))
     assert sum(len(t) for t, _ in toks) == sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in recs)
@@ -200,7 +201,7 @@ def test_changed_inputs_are_never_resumed(model, tmp_path):
     ds = H.HiddenStateDataset(tmp_path / "h")
     assert ds.fingerprint != fp
     seq = torch.tensor([ds[0]["input_ids"].tolist()])
-    assert torch.allclose(ds[0]["aux"], H.target_forward_with_aux(other_target, seq, [1, 2]).aux[0], atol=1e-5)
+    assert torch.allclose(ds[0]["aux"], HK.target_forward_with_aux(other_target, seq, [1, 2]).aux[0], atol=1e-5)
 
     _samples(samples, n=5, seed=9)  # regenerated samples, same ids
     redo = H.extract_hidden_states(other_target, samples, [1, 2], tmp_path / "h", shard_sequences=2, progress=False)

@@ -1,5 +1,6 @@
-"""Import rules of DESIGN.md's module map: nothing imports a layer above it; only vllm_compat reaches vLLM's
-internals; the config layer stays free of torch and vLLM.
+"""Import rules of DESIGN.md's module map: nothing imports a layer above it; no import cycle, among files or among
+the table's rows; the engines and aux-state packages import our modules only at module level; only vllm_compat
+reaches vLLM's internals; the config layer stays free of torch and vLLM.
 
 The layer table is read from DESIGN.md itself, so the documentation cannot drift from what is checked.
 """
@@ -10,6 +11,7 @@ import ast
 import re
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,6 +19,8 @@ PKG = ROOT / "lib" / "eagle3lab"
 ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*`([\w.]+)`\s*\|")
 # vLLM's public API: allowed outside vllm_compat (in layers >= 3). Everything else under vllm. is internal.
 PUBLIC_VLLM = {"vllm", "vllm.inputs", "vllm.sampling_params", "vllm.outputs"}
+# Rows whose modules import our own modules only at module level (function-level imports hide the arrows).
+NO_LAZY_OWN_IMPORTS = ("engines", "aux_states", "target_loading")
 
 
 def layer_table(text: str | None = None) -> dict[str, int]:
@@ -25,27 +29,132 @@ def layer_table(text: str | None = None) -> dict[str, int]:
     return {m.group(2): int(m.group(1)) for line in text.splitlines() if (m := ROW.match(line))}
 
 
-def module_of(path: Path) -> str:
-    """The table's name for a file: its top-level module or package under lib/eagle3lab."""
-    rel = path.relative_to(PKG)
-    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+def file_module(path: Path) -> str:
+    """A file's dotted name under lib/eagle3lab: ``engines.base``, ``diagnose`` for its ``__init__``."""
+    parts = list(path.relative_to(PKG).with_suffix("").parts)
+    if len(parts) > 1 and parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
+def row_of(dotted: str, table: dict[str, int]) -> str:
+    """The table's row for a dotted module name under eagle3lab: the longest prefix with a row (``engines.base``
+    has its own row; ``diagnose.verdict`` is the ``diagnose`` row), else its top-level name."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in table:
+            return ".".join(parts[:i])
+    return parts[0]
+
+
+def module_of(path: Path, table: dict[str, int] | None = None) -> str:
+    """The table's name for a file: its own row where it has one, else its package's or its top-level module's."""
+    return row_of(file_module(path), table if table is not None else {})
+
+
+def _in_functions(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside a function body."""
+    inside: set[int] = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            inside |= {id(n) for n in ast.walk(fn) if n is not fn}
+    return inside
+
+
+def imports(path: Path, with_scope: bool = False) -> list[tuple[int, str]] | list[tuple[int, str, bool]]:
     """(line, dotted module) for every import in a file, including imports inside functions and
-    ``from eagle3lab import x`` (-> ``eagle3lab.x``) and ``importlib.import_module("...")`` literals."""
+    ``from eagle3lab[.x] import y`` (-> also ``eagle3lab[.x].y``, which may be a module) and
+    ``importlib.import_module("...")`` literals. ``with_scope`` adds whether the import sits inside a function."""
     tree = ast.parse(path.read_text(), str(path))
+    inside = _in_functions(tree)
     out = []
     for node in ast.walk(tree):
+        names: list[str] = []
         if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
+            names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append((node.lineno, node.module))
-            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names if node.module == "eagle3lab"]
+            names = [node.module]
+            if node.module.split(".")[0] == "eagle3lab":
+                names += [f"{node.module}.{a.name}" for a in node.names]
         elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
               and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-            out.append((node.lineno, node.args[0].value))
+            names = [node.args[0].value]
+        out += [(node.lineno, n, id(node) in inside) if with_scope else (node.lineno, n) for n in names]
     return out
+
+
+def own_imports(path: Path, modules: Iterable[str]) -> list[tuple[int, str, bool]]:
+    """(line, our module, inside a function) for each import of one of our files' modules (``modules``: dotted
+    names under eagle3lab) by ``path``; ``from eagle3lab.x import name`` counts as importing ``x`` unless
+    ``x.name`` is itself a module."""
+    known = set(modules)
+    found: dict[tuple[int, bool], set[str]] = {}
+    for line, name, lazy in imports(path, with_scope=True):
+        parts = name.split(".")
+        if parts[0] != "eagle3lab" or len(parts) < 2:
+            continue
+        mod = ".".join(parts[1:])
+        while mod and mod not in known:
+            mod = mod.rpartition(".")[0]
+        if mod:
+            found.setdefault((line, lazy), set()).add(mod)
+    out = []
+    for (line, lazy), mods in found.items():
+        # the deepest modules of one statement: "from eagle3lab.engines import base" imports engines.base
+        out += [(line, m, lazy) for m in mods if not any(o.startswith(m + ".") for o in mods)]
+    return sorted(out)
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (each one circle or several), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm; the graph has tens of nodes, recursion is fine
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def import_graphs(table: dict[str, int], files: list[Path]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Our imports as two graphs, counting imports inside functions: file -> file (dotted names) and row -> row
+    (the table's rows; a row's imports of itself left out)."""
+    modules = {file_module(p): p for p in files}
+    by_file: dict[str, set[str]] = {m: set() for m in modules}
+    by_row: dict[str, set[str]] = {}
+    for me, path in modules.items():
+        for _, other, _ in own_imports(path, modules):
+            if other == me:
+                continue
+            by_file[me].add(other)
+            a, b = row_of(me, table), row_of(other, table)
+            if a != b:
+                by_row.setdefault(a, set()).add(b)
+    return by_file, by_row
 
 
 def _shown(path: Path) -> str:
@@ -56,7 +165,7 @@ def violations(table: dict[str, int], files: list[Path]) -> list[str]:
     """Every broken rule, one line each (file:line and why)."""
     problems = []
     for path in files:
-        me = module_of(path)
+        me = module_of(path, table)
         if me not in table:
             problems.append(f"{_shown(path)}: module {me!r} has no row in DESIGN.md's module map")
             continue
@@ -64,13 +173,22 @@ def violations(table: dict[str, int], files: list[Path]) -> list[str]:
             where = f"{_shown(path)}:{line}"
             parts = name.split(".")
             if parts[0] == "eagle3lab" and len(parts) > 1:
-                other = parts[1]
+                other = row_of(".".join(parts[1:]), table)
                 if other != me and other in table and table[other] > table[me]:
                     problems.append(f"{where}: {me} (layer {table[me]}) imports {other} (layer {table[other]})")
             if parts[0] == "vllm" and me != "vllm_compat":
                 top2 = ".".join(parts[:2])
                 if top2 not in PUBLIC_VLLM or table[me] < 3:
                     problems.append(f"{where}: {me} imports vLLM's internals ({name}): go through vllm_compat")
+    by_file, by_row = import_graphs(table, files)
+    problems += [f"import cycle among files: {' <-> '.join(c)}" for c in cycles(by_file)]
+    problems += [f"import cycle among the module map's rows: {' <-> '.join(c)}" for c in cycles(by_row)]
+    modules = [file_module(p) for p in files]
+    for path in files:
+        if row_of(file_module(path), table).split(".")[0] not in NO_LAZY_OWN_IMPORTS:
+            continue
+        problems += [f"{_shown(path)}:{line}: imports eagle3lab.{other} inside a function: import it at module level"
+                     for line, other, lazy in own_imports(path, modules) if lazy]
     return problems
 
 
@@ -106,6 +224,40 @@ def test_the_check_sees_a_broken_rule(tmp_path):
     assert any("patch imports vLLM's internals" in p for p in found), found
     assert any("'stray' has no row" in p for p in found), found
     assert len(found) == 3
+
+
+def test_the_check_sees_a_cycle_and_a_lazy_import(tmp_path):
+    """A circle through a function-level import (engines.base -> engines.factory -> engines.base) is reported
+    among files and among rows, and so is the lazy import itself; a circle inside a one-row package
+    (diagnose.a <-> diagnose.b) among files only."""
+    global PKG
+    pkg = tmp_path / "lib" / "eagle3lab"
+    (pkg / "engines").mkdir(parents=True)
+    (pkg / "diagnose").mkdir()
+    for f in ("__init__.py", "engines/__init__.py", "diagnose/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "engines" / "base.py").write_text("def f():\n    from eagle3lab.engines import factory\n")
+    (pkg / "engines" / "factory.py").write_text("from eagle3lab.engines.base import Engine\n")
+    (pkg / "diagnose" / "a.py").write_text("from eagle3lab.diagnose import b\n")
+    (pkg / "diagnose" / "b.py").write_text("from eagle3lab.diagnose.a import x\n")
+    old, PKG = PKG, pkg
+    try:
+        found = violations(layer_table(), sorted(pkg.rglob("*.py")))
+    finally:
+        PKG = old
+    assert "import cycle among files: engines.base <-> engines.factory" in found, found
+    assert "import cycle among the module map's rows: engines.base <-> engines.factory" in found, found
+    assert "import cycle among files: diagnose.a <-> diagnose.b" in found, found
+    assert any(p.endswith(":2: imports eagle3lab.engines.factory inside a function: import it at module level")
+               for p in found), found
+    assert len(found) == 4, found
+
+
+def test_the_import_graph_has_no_cycle():
+    """The package itself, counted both ways (files, rows): the engine <-> serve circle of 2026-12-05 is gone."""
+    by_file, by_row = import_graphs(layer_table(), lib_files())
+    assert cycles(by_file) == [] and cycles(by_row) == []
+    assert "engines.base" in by_file["engines.vllm_served"]  # the graph sees the package's own arrows
 
 
 def test_config_layer_imports_neither_torch_nor_vllm():

@@ -26,8 +26,8 @@ def _accepts(func, kwargs):
 
 
 def test_keys_match_the_called_signatures(profile):
+    from eagle3lab.aux_states.shards import extract_hidden_states
     from eagle3lab.drafter import build_drafter
-    from eagle3lab.hidden_states import extract_hidden_states
     from eagle3lab.train import train_drafter
 
     _accepts(build_drafter, drafter_kwargs(profile))

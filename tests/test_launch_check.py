@@ -3,7 +3,8 @@ legacy simulation, the patched one must serve with every worker reporting EAGLE-
 
 from __future__ import annotations
 
-from eagle3lab.engine import LaunchProbe, WorkerReport
+from eagle3lab.engines.launch_probe import LaunchProbe
+from eagle3lab.engines.workers import WorkerReport
 from eagle3lab.patch_check import PATCHED, UNPATCHED, LaunchCheck
 
 MSG = "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from eagle3lab import engine as E
 from eagle3lab import sweep as SW
 from eagle3lab import synthetic as S
 from eagle3lab import target as T
+from eagle3lab.engines import factory as EF
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,7 +57,7 @@ def test_selected_layers_picks_the_columns_of_each_id():
 def test_sweep_extracts_once_trains_and_measures_each_choice(tmp_path):
     tpath = tmp_path / "target"
     T.build_embedded_target(T.tiny_spec(train_steps=6), tpath, seed=0)
-    eng = E.make_engine("reference", tpath, device="cpu")
+    eng = EF.make_engine("reference", tpath, device="cpu")
     prompts = [[5 + i, 6, 7, 8] for i in range(6)]
     samples = S.generate_samples(eng, prompts, tmp_path / "data", max_new_tokens=12, progress=False)
     heldout = prompts[:2]
@@ -87,7 +87,7 @@ def test_sweep_extracts_once_trains_and_measures_each_choice(tmp_path):
     d, t, ratio = forward_cost_ratio(eng.model, load_drafter(dpath, "cpu"), conts[0].sequence, repeats=3)
     assert d > 0 and t > 0 and ratio == pytest.approx(d / t)
     # A drafter trained on selected columns equals one trained on a separate extraction of those ids.
-    from eagle3lab.hidden_states import HiddenStateDataset, extract_hidden_states
+    from eagle3lab.aux_states.shards import HiddenStateDataset, extract_hidden_states
 
     extract_hidden_states(eng.model, samples, [2, 3], tmp_path / "h23", progress=False)
     alone, all_sel = HiddenStateDataset(tmp_path / "h23"), SW.SelectedLayers(HiddenStateDataset(tmp_path / "sweep" / "hidden-all"), [2, 3])

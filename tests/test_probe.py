@@ -16,7 +16,7 @@ def test_final_state_is_the_target_and_the_tuned_lens_learns():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from eagle3lab.hidden_states import target_forward_with_aux
+    from eagle3lab.aux_states.hooks import target_forward_with_aux
     from test_speculate import tiny_target
 
     model, cfg = tiny_target(0)

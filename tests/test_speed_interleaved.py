@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from eagle3lab import speed as SPD
-from eagle3lab.serve import group_members
+from eagle3lab.engines.processes import group_members
 
 
 def rep(rd: int, b: int, name: str, seconds: float, tokens: int = 100) -> dict:
@@ -226,7 +226,7 @@ def test_ratio_suite_on_real_vllm_cpu_engines(tmp_path):
     import json
     import subprocess
 
-    from eagle3lab.engine import random_probe_drafter
+    from eagle3lab.engines.launch_probe import random_probe_drafter
     from eagle3lab.plugin import CPU_FIXES_ENV
     from test_serve import ROOT, _random_mla_target, _vllm_cpu_python
 

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from eagle3lab import engine as E
 from eagle3lab import synthetic as S
 from eagle3lab import target as T
+from eagle3lab.engines import factory as EF
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
     _, tok, _, corpus = T.build_embedded_target(T.tiny_spec(train_steps=6), path, seed=0)
-    return E.make_engine("reference", path, device="cpu"), tok, corpus
+    return EF.make_engine("reference", path, device="cpu"), tok, corpus
 
 
 def test_corpus_prompts_deterministic(built):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from eagle3lab import target as T
+from eagle3lab import target_loading as TL
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_save_load_round_trip(saved):
     assert cfg.get("rope_scaling") is None and cfg["dtype"] == "float32"
     assert cfg.get("num_nextn_predict_layers", 0) == 0
     assert (path / "tokenizer.json").is_file() and (path / "model.safetensors").is_file()
-    loaded, tok2 = T.load_target(path)
+    loaded, tok2 = TL.load_target(path)
     x = torch.randint(3, 300, (2, 10))
     with torch.no_grad():
         assert torch.allclose(model(input_ids=x).logits, loaded(input_ids=x).logits, atol=1e-6)
@@ -104,9 +105,9 @@ def test_save_load_round_trip(saved):
 
 def test_load_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        T.load_target(tmp_path / "missing")
+        TL.load_target(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="config.json"):
-        T.load_target(tmp_path)
+        TL.load_target(tmp_path)
 
 
 @pytest.mark.vllm
@@ -127,13 +128,13 @@ def test_deepened_target_computes_the_same_tokens_and_aux_states(tmp_path):
     import json
 
     from eagle3lab import target as T
-    from eagle3lab.hidden_states import target_forward_with_aux
+    from eagle3lab.aux_states.hooks import target_forward_with_aux
 
     T.build_embedded_target(T.tiny_spec(train_steps=3), tmp_path / "orig", seed=0)
     T.deepen_target(tmp_path / "orig", tmp_path / "deep", num_layers=7)
     assert json.loads((tmp_path / "deep" / "config.json").read_text())["num_hidden_layers"] == 7
-    orig, _ = T.load_target(tmp_path / "orig")
-    deep, _ = T.load_target(tmp_path / "deep")
+    orig, _ = TL.load_target(tmp_path / "orig")
+    deep, _ = TL.load_target(tmp_path / "deep")
     assert len(deep.model.layers) == 7
     # the added layers are real layers (same shapes as the last one), not empty shells
     assert T.count_parameters(deep) > T.count_parameters(orig) + 2 * sum(p.numel() for p in orig.model.layers[-1].parameters())

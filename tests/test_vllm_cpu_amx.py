@@ -27,7 +27,7 @@ torch.cpu._is_amx_tile_supported = lambda: True  # what an AMX CPU (e.g. Sapphir
 
 _SCRIPT = """
 import json, sys
-from eagle3lab.engine import VllmEngine
+from eagle3lab.engines.vllm_offline import VllmEngine
 
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from eagle3lab import report, runner
-from eagle3lab.hidden_states import AUX_AGREEMENT_TOL
+from eagle3lab.aux_states.hooks import AUX_AGREEMENT_TOL
 
 ROOT = Path(__file__).resolve().parents[1]
 

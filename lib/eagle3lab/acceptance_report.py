@@ -21,6 +21,7 @@ import plotly.graph_objects as go
 from eagle3lab import acceptance as A
 from eagle3lab import repetition as R
 from eagle3lab.acceptance import PromptIntervals, SpecDecodeStats
+from eagle3lab.engines.factory import make_engine
 from eagle3lab.repetition import RepetitionStats
 
 RECORDS = A.RECORDS
@@ -237,8 +238,6 @@ def reference_engine(engine: Any, *, target_source: str, target_path: Path, devi
         return engine
     if target_source != "embedded":
         return None
-    from eagle3lab.engine import make_engine
-
     getattr(engine, "close", lambda: None)()
     return make_engine("reference", target_path, device, dtype, trust_remote_code=trust_remote_code)
 

@@ -4,7 +4,7 @@ Library functions take explicit arguments (so tests reach them without a profile
 pipeline get those arguments from here instead of spelling the mapping out by hand in each place.
 tests/test_kwargs.py checks every key against the called function's signature, so renaming a parameter
 on either side fails CI instead of a notebook. The engine has its own home:
-:func:`eagle3lab.engine.engine_from_params`.
+:func:`eagle3lab.engines.factory.engine_from_params`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def train_kwargs(
 
 
 def extraction_kwargs(params: Params, progress: bool = True) -> dict[str, Any]:
-    """Storage settings for :func:`eagle3lab.hidden_states.extract_hidden_states`."""
+    """Storage settings for :func:`eagle3lab.aux_states.shards.extract_hidden_states`."""
     d = params.data
     return {
         "shard_sequences": d.shard_sequences,

@@ -25,6 +25,8 @@ import plotly.graph_objects as go
 import torch
 import torch.nn.functional as F
 
+from eagle3lab.aux_states.hooks import decoder_parts
+
 
 @dataclass
 class Readout:
@@ -42,8 +44,6 @@ class Readout:
 
 def readout_from_model(model: Any) -> Readout:
     """Final RMSNorm weight and lm_head of a transformers causal LM (DeepseekV3ForCausalLM and kin)."""
-    from eagle3lab.hidden_states import decoder_parts
-
     _, _, norm = decoder_parts(model)
     eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
     return Readout(norm.weight.detach().float().cpu(), model.get_output_embeddings().weight.detach().float().cpu(), eps)

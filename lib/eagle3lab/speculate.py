@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from eagle3lab.acceptance import SpecDecodeStats
+from eagle3lab.aux_states.hooks import target_forward_with_aux
 from eagle3lab.drafter import Eagle3Drafter, causal_mask, draft_to_target
-from eagle3lab.hidden_states import target_forward_with_aux
 
 
 @dataclass
@@ -390,7 +390,7 @@ def replay_greedy(
 
 
 def aux_and_logits(model: nn.Module, sequence: Sequence[int], aux_layer_ids: Sequence[int]):
-    """One target forward over ``sequence``: its :class:`~eagle3lab.hidden_states.TargetOutput` (batch 1)."""
+    """One target forward over ``sequence``: its :class:`~eagle3lab.aux_states.hooks.TargetOutput` (batch 1)."""
     return target_forward_with_aux(model, torch.tensor([list(sequence)], device=_device(model)), aux_layer_ids)
 
 

@@ -385,7 +385,7 @@ def start_instance(name: str, argv: Sequence[str], env: Mapping[str, str], log_p
     import tempfile
     from multiprocessing.connection import Connection
 
-    from eagle3lab.serve import start_in_group
+    from eagle3lab.engines.processes import start_in_group
 
     sock_dir = tempfile.mkdtemp(prefix="eagle3lab-live-")  # private (0700): nobody else can connect
     path = os.path.join(sock_dir, "s")

@@ -1,6 +1,6 @@
 """Aux-layer ablation: drafters trained on different sets of target layers, compared on the same prompts.
 
-Pipeline glue (layer 4): it runs the extraction (:mod:`eagle3lab.hidden_states`), drafter training
+Pipeline glue (layer 4): it runs the extraction (:mod:`eagle3lab.aux_states.shards`), drafter training
 (:mod:`eagle3lab.train`) and the decoders (:mod:`eagle3lab.speculate`), and hands counters to the statistics
 (:mod:`eagle3lab.acceptance`). The target's hidden states are extracted ONCE for every layer id (1..L) and
 each set of ids is a column selection of them (:class:`SelectedLayers`), so an extra set costs only its
@@ -23,6 +23,8 @@ import plotly.graph_objects as go
 import torch
 
 from eagle3lab.acceptance import PromptIntervals, SpecDecodeStats
+from eagle3lab.aux_states.hooks import decoder_parts
+from eagle3lab.aux_states.shards import MANIFEST, HiddenStateDataset, extract_hidden_states
 from eagle3lab.speculate import select_layers
 
 
@@ -85,7 +87,7 @@ def ablation_sets(
 
 
 class SelectedLayers(torch.utils.data.Dataset):
-    """A view of an all-layer :class:`~eagle3lab.hidden_states.HiddenStateDataset` with only some aux ids."""
+    """A view of an all-layer :class:`~eagle3lab.aux_states.shards.HiddenStateDataset` with only some aux ids."""
 
     def __init__(self, all_layers: Any, ids: Sequence[int]) -> None:
         self.base = all_layers
@@ -117,8 +119,6 @@ def extract_all_layers(engine: Any, samples_path: str | Path, target_path: str |
     folder holds nothing else): a rerun with another ``acceptance.layer_samples`` must not fail.
     """
     import shutil
-
-    from eagle3lab.hidden_states import MANIFEST, HiddenStateDataset, decoder_parts, extract_hidden_states
 
     if not hasattr(engine, "model"):
         raise ValueError("the aux-layer ablation needs the reference engine: it extracts hidden states in-process")

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from eagle3lab.target_loading import load_target
+
 if TYPE_CHECKING:  # only for annotations: the target code runs without pydantic (e.g. on a GPU host)
     from eagle3lab.params import EmbeddedTarget
 
@@ -411,46 +413,6 @@ def save_target(model: nn.Module, tokenizer: Any, path: str | Path) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto`` -> float32 on CPU (bf16 matmuls are slow there), bfloat16 on GPU."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in table:
-        raise ValueError(f"dtype {dtype!r}: expected auto, float32, bfloat16 or float16")
-    return table[dtype]
-
-
-def load_target(
-    path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto", trust_remote_code: bool = False
-) -> tuple[nn.Module, Any]:
-    """Load a saved target (embedded or a real checkpoint) and its tokenizer, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"target folder does not exist: {path} (run 00_target first?)")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"target folder {path} has no config.json: not a saved model")
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code)
-    model = model.to(dev).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return model, tokenizer
 
 
 def tiny_spec(**overrides: Any) -> Any:

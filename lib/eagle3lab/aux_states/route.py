@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from eagle3lab.engine import ReferenceEngine
-from eagle3lab.hidden_states import AUX_AGREEMENT_TOL, verify_aux_mapping
+from eagle3lab.aux_states.hooks import AUX_AGREEMENT_TOL, verify_aux_mapping
+from eagle3lab.engines.capture import aux_source_from_params
+from eagle3lab.engines.reference import ReferenceEngine
 
 
 @dataclass
@@ -35,8 +36,6 @@ def aux_route(params: Any, engine: Any, target_path: str | Path, aux_ids: Sequen
     reference engine whose model does the extraction. Raises RuntimeError when our capture disagrees with the
     hand computation (transformers route)."""
     if params.data.extractor == "engine":
-        from eagle3lab.engine_capture import aux_source_from_params
-
         engine.close()
         source = aux_source_from_params(params, target_path, list(aux_ids), work_dir, log_dir=log_dir)
         return AuxRoute(source, {"hidden.extractor":

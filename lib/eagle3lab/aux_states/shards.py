@@ -1,12 +1,5 @@
-"""Auxiliary hidden states of the target, in vLLM's convention, and their storage on disk.
-
-vLLM (0.26, ``DeepseekV2Model.forward``) captures for each requested id ``k`` the residual stream at the
-INPUT of decoder layer ``k`` (``hidden_states + residual``, i.e. the stream after layer ``k-1``); id
-``num_layers`` is the final state before the last norm, and id 0 does not exist (vLLM crashes on it). A
-transformers decoder layer returns the full residual stream, so the input of layer ``k`` is exactly what
-vLLM sums. We capture it with forward pre-hooks on the layers (and on the final norm for ``num_layers``)
-instead of ``output_hidden_states``, whose last entry is post-norm in some models and versions.
-The id rules are :mod:`eagle3lab.aux_layers`'s.
+"""Aux hidden states extracted to disk: safetensors shards and a manifest rewritten atomically after each one, the
+sources they are read from (:class:`AuxSource`), and the dataset that reads them back.
 
 An extraction folder records what it was made from (the samples file's hash, the target's weights'
 fingerprint, the ids, dtype and width): a resumed extraction whose inputs changed starts afresh and says
@@ -27,192 +20,17 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from eagle3lab import aux_layers, provenance
+from eagle3lab import provenance
+from eagle3lab.aux_states.hooks import check_aux_layer_ids, decoder_parts, target_forward_with_aux
+from eagle3lab.errors import check_safetensors
+from eagle3lab.progress import progress as progress_bar
+from eagle3lab.synthetic import read_samples
 
 log = logging.getLogger(__name__)
-
-# Agreement of the hook capture with the hand computation (verify_aux_mapping), relative to the states'
-# scale: max|hooks - hand| / max|hand|. Both paths run the same float32 layers on the same inputs and
-# differ only in how the causal mask reaches attention, so they agree to rounding: 0.0 measured on the
-# test targets (CPU), and float32 rounding through a few layers stays below 1e-6. A wrong mapping is of
-# order 1 (one layer off: 0.25 on the tiny target). 1e-4 is far from both. In bfloat16 rounding alone
-# reaches ~1e-2, so the check is meant for float32 models.
-AUX_AGREEMENT_TOL = 1e-4
-
-
-@dataclass
-class TargetOutput:
-    """One target forward: logits and the concatenated aux states."""
-
-    logits: torch.Tensor | None  # [B, T, V] float32; None when the forward stopped at the last aux layer
-    aux: torch.Tensor  # [B, T, n_aux * H], aux states concatenated in ascending id order
-    aux_layer_ids: list[int]  # sorted
-
-
-def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
-    """Return (inner model, decoder layers, final norm) of a causal LM such as DeepseekV3ForCausalLM."""
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers"):
-        get_decoder = getattr(model, "get_decoder", None)
-        inner = get_decoder() if callable(get_decoder) else model
-    layers = getattr(inner, "layers", None)
-    norm = getattr(inner, "norm", None)
-    if not isinstance(layers, nn.ModuleList) or norm is None:
-        raise ValueError(
-            f"{type(model).__name__}: cannot find decoder layers and final norm (expected .model.layers and "
-            ".model.norm, as in DeepseekV3ForCausalLM)"
-        )
-    return inner, layers, norm
-
-
-def check_aux_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Validate aux ids against vLLM's rules (:mod:`eagle3lab.aux_layers`) and return them sorted ascending."""
-    try:
-        return aux_layers.check_aux_layer_ids(aux_layer_ids, num_layers)
-    except aux_layers.AuxLayerError as exc:
-        reasons = "; ".join(p.message for p in exc.problems)
-        raise ValueError(f"aux_layer_ids {exc.ids} for a target with {num_layers} layers: {reasons}") from None
-
-
-def _first_tensor_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    # Decoder layers get hidden_states positionally in some transformers versions and by keyword in others.
-    if args and isinstance(args[0], torch.Tensor):
-        return args[0]
-    hs = kwargs.get("hidden_states")
-    if not isinstance(hs, torch.Tensor):
-        raise RuntimeError("aux capture: the hooked module was called without a hidden_states tensor")
-    return hs
-
-
-class _AuxComplete(Exception):
-    """Raised by the last aux hook when the caller needs no logits: the rest of the forward is skipped."""
-
-
-def target_forward_with_aux(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    aux_layer_ids: Sequence[int],
-    attention_mask: torch.Tensor | None = None,
-    logits: bool = True,
-) -> TargetOutput:
-    """Run the target once (no grad) and return logits plus aux states in vLLM's id convention.
-
-    ``aux[..., j*H:(j+1)*H]`` is the state for the j-th smallest id. With ``logits=False`` the forward stops
-    once the highest aux id is captured: extraction skips the layers above it and the LM head (whose
-    [B, T, vocab] output is the largest tensor of a prefill), and ``logits`` is None. Raises ValueError for id 0,
-    ids above ``num_layers``, duplicates or an empty list.
-    """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
-    _, layers, norm = decoder_parts(model)
-    num_layers = len(layers)
-    ids = check_aux_layer_ids(aux_layer_ids, num_layers)
-    captured: dict[int, torch.Tensor] = {}
-
-    def make_hook(k: int):
-        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            captured[k] = _first_tensor_arg(args, kwargs).detach()
-            if not logits and k == ids[-1]:
-                raise _AuxComplete
-
-        return hook
-
-    handles = [
-        (norm if k == num_layers else layers[k]).register_forward_pre_hook(make_hook(k), with_kwargs=True)
-        for k in ids
-    ]
-    out = None
-    try:
-        with torch.no_grad():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    except _AuxComplete:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-    missing = [k for k in ids if k not in captured]
-    if missing:
-        raise RuntimeError(f"aux capture: layers {missing} were not reached during the forward")
-    aux = torch.cat([captured[k] for k in ids], dim=-1)
-    return TargetOutput(logits=out.logits.float() if out is not None else None, aux=aux, aux_layer_ids=ids)
-
-
-def _causal_additive_mask(
-    attention_mask: torch.Tensor | None, batch: int, length: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    # An additive float mask works for both eager and SDPA attention, unlike a boolean one.
-    neg = torch.finfo(dtype).min
-    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    allowed = allowed[None, None].expand(batch, 1, length, length)
-    if attention_mask is not None:
-        allowed = allowed & attention_mask.bool()[:, None, None, :]
-        # Rows of padding positions would be all-masked (NaN in softmax); let them see themselves.
-        allowed = allowed | torch.eye(length, dtype=torch.bool, device=device)[None, None]
-    mask = torch.zeros(batch, 1, length, length, dtype=dtype, device=device)
-    return mask.masked_fill(~allowed, neg)
-
-
-def hand_aux_states(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    aux_layer_ids: Sequence[int],
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Aux states computed by running the embedding and each decoder layer by hand (for verification)."""
-    inner, layers, norm = decoder_parts(model)
-    ids = check_aux_layer_ids(aux_layer_ids, len(layers))
-    batch, length = input_ids.shape
-    with torch.no_grad():
-        h = inner.embed_tokens(input_ids)
-        # Positions 0..T-1 as the model's own forward uses when none are given (we pad on the right).
-        position_ids = torch.arange(length, device=input_ids.device)[None].expand(batch, length)
-        position_embeddings = inner.rotary_emb(h, position_ids)
-        mask = _causal_additive_mask(attention_mask, batch, length, h.dtype, h.device)
-        states = {}
-        for k, layer in enumerate(layers):
-            if k in ids:
-                states[k] = h
-            out = layer(
-                h,
-                attention_mask=mask,
-                position_ids=position_ids,
-                position_embeddings=position_embeddings,
-                use_cache=False,
-            )
-            h = out[0] if isinstance(out, tuple) else out
-        states[len(layers)] = h
-        del norm  # the final norm is not part of any aux state
-    return torch.cat([states[k] for k in ids], dim=-1)
-
-
-def verify_aux_mapping(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    aux_layer_ids: Sequence[int],
-    attention_mask: torch.Tensor | None = None,
-    relative: bool = False,
-) -> float:
-    """Max abs difference between :func:`target_forward_with_aux` and :func:`hand_aux_states`.
-
-    With ``relative`` it is divided by the largest magnitude of the hand-computed states: the quantity
-    :data:`AUX_AGREEMENT_TOL` bounds.
-    """
-    got = target_forward_with_aux(model, input_ids, aux_layer_ids, attention_mask).aux.float()
-    ref = hand_aux_states(model, input_ids, aux_layer_ids, attention_mask).float()
-    if attention_mask is not None:
-        keep = attention_mask.bool()[..., None]
-        got, ref = got * keep, ref * keep
-    diff = float((got - ref).abs().max())
-    if relative:
-        scale = float(ref.abs().max())
-        return diff / scale if scale > 0 else diff
-    return diff
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Extraction to disk: shards of safetensors plus a manifest rewritten atomically after each shard.
 
 MANIFEST = "manifest.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -353,7 +171,7 @@ class _ComputedShard:
 @runtime_checkable
 class AuxSource(Protocol):
     """Where aux states come from: a transformers model here (:class:`ModelAuxSource`), or the vLLM engine that
-    serves the target (:class:`eagle3lab.engine_capture.EngineAuxSource`)."""
+    serves the target (:class:`eagle3lab.engines.capture.EngineAuxSource`)."""
 
     hidden_size: int
     num_layers: int
@@ -465,8 +283,6 @@ class _ShardWriter:
             raise
 
     def _write_shard(self, shard: _ComputedShard) -> None:
-        from safetensors.torch import save_file
-
         name = f"shard-{shard.index:05d}.safetensors"
         tmp = self._out / (name + ".tmp")
         save_file(shard.tensors(), str(tmp), metadata={"ids": json.dumps(shard.ids)})
@@ -524,9 +340,6 @@ def extract_hidden_states(
     """
     if on_stale not in ("rebuild", "refuse"):
         raise ValueError(f"on_stale {on_stale!r}: expected 'rebuild' or 'refuse'")
-    from eagle3lab.progress import progress as progress_bar
-    from eagle3lab.synthetic import read_samples
-
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
     if shard_sequences < 1 or batch_size < 1:
@@ -572,6 +385,9 @@ def extract_hidden_states(
     for j, rec in enumerate(manifest["shards"]):
         if j >= len(shards) or rec["ids"] != [s["id"] for s in shards[j]]:
             raise ValueError(f"{mpath}: shard {j} does not match the samples in {samples_path}; start afresh")
+        # A finished shard is kept as it is: one damaged since (a failed copy, a full disk) is named here, in
+        # 03, rather than by the dataset in 04.
+        check_safetensors(out / rec["file"], "hidden-state shard", _SHARD_REMEDY.format(folder=out))
     out_dtype = _DTYPES[dtype]
     bar = progress_bar(total=sum(len(s) for s in shards), initial=sum(len(s) for s in shards[:start]),
                        desc="extracting hidden states", disable=not progress)
@@ -594,6 +410,9 @@ def extract_hidden_states(
         manifest["complete"] = len(manifest["shards"]) == len(shards)
         _write_json_atomic(mpath, manifest)
     return _stats(manifest, rebuilt)
+
+
+_SHARD_REMEDY = "delete {folder} and rerun 03_engine to extract the hidden states again"
 
 
 class HiddenStateDataset(torch.utils.data.Dataset):
@@ -624,12 +443,11 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         return len(self._index)
 
     def _handle(self, shard: int) -> Any:
-        from safetensors import safe_open
-
         if self._open is None or self._open[0] != shard:
             path = self.hidden_dir / self.manifest["shards"][shard]["file"]
             if not path.is_file():
                 raise FileNotFoundError(f"shard listed in the manifest is missing: {path}")
+            check_safetensors(path, "hidden-state shard", _SHARD_REMEDY.format(folder=self.hidden_dir))
             self._open = (shard, safe_open(str(path), framework="pt"))
         return self._open[1]
 

@@ -10,77 +10,36 @@ returns.
 
 One request at a time, one new token each, prefix caching off and the whole sequence in one prefill: every
 captured forward is one sequence's prefill, its first ``len(sequence)`` rows (vLLM pads a batch to a CUDA-graph
-size at the end). Under tensor parallelism every rank holds the full, all-reduced states; rank 0 answers.
+size at the end). Under tensor parallelism every rank holds the full, all-reduced states; rank 0 answers. The
+functions the workers run are :mod:`eagle3lab.engines.workers`'s.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# -- worker side (run inside vLLM's workers by LLM.apply_model; module-level so they pickle by reference)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def install_aux_capture(model: Any) -> int:
-    """Wrap ``model.forward`` so that every forward that returns aux states keeps them (on the CPU).
-
-    Idempotent; returns 1 so that ``apply_model`` reports one answer per worker.
-    """
-    if "forward" in model.__dict__:  # already wrapped in this worker
-        model._e3_captured = []  # noqa: SLF001
-        return 1
-    original = model.forward
-    model._e3_captured = []  # noqa: SLF001
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        out = original(*args, **kwargs)
-        returned_aux = isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, tuple)) and out[1]
-        if returned_aux and _rank() == 0:
-            model._e3_captured.append(torch.cat([a.detach() for a in out[1]], dim=-1).cpu())  # noqa: SLF001
-        return out
-
-    model.forward = forward
-    return 1
-
-
-def drain_aux_capture(model: Any) -> list[torch.Tensor]:
-    """The states captured since the last drain ([tokens, n_aux * H] per forward; empty off rank 0)."""
-    caps = list(getattr(model, "_e3_captured", []))
-    model._e3_captured = []  # noqa: SLF001
-    return caps
-
-
-def remove_aux_capture(model: Any) -> int:
-    """Back to the class's forward."""
-    model.__dict__.pop("forward", None)
-    model.__dict__.pop("_e3_captured", None)
-    return 1
-
-
-# -- driver side
+from eagle3lab import provenance
+from eagle3lab.diagnose.target_info import read_json_config, text_config_of
+from eagle3lab.engines.factory import engine_from_params
+from eagle3lab.engines.launch_probe import random_probe_drafter
+from eagle3lab.engines.workers import drain_aux_capture, install_aux_capture, remove_aux_capture
 
 
 class EngineAuxSource:
-    """:class:`eagle3lab.hidden_states.AuxSource` over a vLLM engine (a :class:`eagle3lab.engine.VllmEngine`).
+    """:class:`eagle3lab.aux_states.shards.AuxSource` over a vLLM engine (a
+    :class:`eagle3lab.engines.vllm_offline.VllmEngine`).
 
     ``probe_drafter`` is an EAGLE-3 drafter folder whose config names the aux ids to extract (an untrained one
-    from :func:`eagle3lab.engine.random_probe_drafter` does: only its config matters here). The engine must run
-    with prefix caching off, or a repeated prefix would not be computed again and its states would be missing.
+    from :func:`eagle3lab.engines.launch_probe.random_probe_drafter` does: only its config matters here). The
+    engine must run with prefix caching off, or a repeated prefix would not be computed again and its states would
+    be missing.
     """
 
     def __init__(self, engine: Any, probe_drafter: str | Path) -> None:
-        import json
-
-        from eagle3lab.diagnose.target_info import read_json_config, text_config_of
-
         opts = engine.options
         if opts.get("enable_prefix_caching", True):
             raise ValueError("in-engine extraction needs enable_prefix_caching=False in the engine's options")
@@ -96,8 +55,7 @@ class EngineAuxSource:
         self._llm: Any = None
 
     def fingerprint(self) -> str:
-        from eagle3lab import provenance
-
+        """The target's checkpoint fingerprint (the engine holds no weights this process can hash)."""
         return provenance.checkpoint_fingerprint(self.engine.target_path)
 
     def _live(self) -> Any:
@@ -146,8 +104,6 @@ def aux_source_from_params(
 ) -> EngineAuxSource:
     """The profile's vLLM engine set up for extraction: offline (``apply_model``), prefix caching off, a whole
     sequence in one prefill, and an untrained probe drafter in ``work_dir`` that names ``aux_layer_ids``."""
-    from eagle3lab.engine import engine_from_params, random_probe_drafter
-
     max_len = int(params.engine.max_model_len)
     engine = engine_from_params(params, target_path, log_dir=log_dir, offline=True,
                                 extra={"enable_prefix_caching": False, "max_num_batched_tokens": max(max_len, 2048)})

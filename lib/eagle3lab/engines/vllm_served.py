@@ -6,7 +6,8 @@ process exits or the timeout passes. Shutdown sends SIGTERM to the whole group (
 engine core and its workers), waits, then SIGKILLs what is left; it runs on success, on exceptions,
 on Ctrl-C (KeyboardInterrupt), at interpreter exit (atexit), on SIGTERM/SIGHUP to this process (a
 handler installed when none is set), and, on Linux, when this process dies without running any of
-that (the server gets SIGTERM through ``PR_SET_PDEATHSIG``).
+that (the server gets SIGTERM through ``PR_SET_PDEATHSIG``); :mod:`eagle3lab.engines.processes` does that
+bookkeeping.
 
 Generation goes through the real ``openai`` client (completions with token-id prompts; vLLM returns
 the output ids with ``return_token_ids``); the spec-decode counters come from ``/metrics``, parsed with
@@ -15,35 +16,35 @@ the output ids with ``return_token_ids``); the spec-decode counters come from ``
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from eagle3lab.acceptance import METRIC_PREFIX, SpecDecodeStats, stats_from_vllm_metrics
-from eagle3lab.engine import (
+from eagle3lab.engines.base import (
     Batch1Timing,
     SpeculativeResult,
-    _check_prompts,
+    check_generate_args,
+    check_prompts,
     cut_at_eos,
     speculative_config,
     workload_key,
 )
+from eagle3lab.engines.processes import PDEATHSIG_EXEC, install_exit_hooks, stop_process_group, track, untrack
 
 HOST = "127.0.0.1"
 # The per-position counter is one Prometheus counter with a "position" label
@@ -166,87 +167,6 @@ def free_port(host: str = HOST) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
-# process group bookkeeping
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``.
-
-    Read from /proc so that zombies do not count: an orphan reparented to an init that never reaps
-    (as in some containers) stays a zombie in the group forever, and ``killpg(pgid, 0)`` would say the
-    group is alive. Without /proc, falls back to ``killpg(pgid, 0)`` (reports ``[pgid]`` when alive).
-    """
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return []
-        except PermissionError:
-            pass
-        return [pgid]
-    members = []
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        # Fields after the command name (which may contain spaces and parentheses): state ppid pgrp ...
-        rest = stat[stat.rfind(")") + 2 :].split()
-        if len(rest) >= 3 and int(rest[2]) == pgid and rest[0] not in ("Z", "X"):
-            members.append(int(d.name))
-    return sorted(members)
-
-
-_LIVE: set[VllmServer | ProcessGroup] = set()  # what the exit hooks stop
-_LIVE_LOCK = threading.Lock()
-_HOOKS_INSTALLED = False
-
-
-def _stop_all_servers() -> None:
-    with _LIVE_LOCK:
-        servers = list(_LIVE)
-    for s in servers:
-        with contextlib.suppress(Exception):
-            s.stop()
-
-
-def _on_fatal_signal(signum: int, frame: Any) -> None:
-    # SIGTERM/SIGHUP would end this interpreter without atexit: stop the servers, then die of the same
-    # signal with its default action, so the exit status is what the sender expects.
-    _stop_all_servers()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def _install_hooks() -> None:
-    global _HOOKS_INSTALLED
-    if _HOOKS_INSTALLED:
-        return
-    _HOOKS_INSTALLED = True
-    atexit.register(_stop_all_servers)
-    # SIGINT needs nothing: Python raises KeyboardInterrupt, and context managers / atexit stop servers.
-    # Handlers can only be set from the main thread, and a handler someone else set is left alone.
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) is signal.SIG_DFL:
-                signal.signal(sig, _on_fatal_signal)
-
-
-# Runs first in the server's process: ask Linux to SIGTERM it when the thread that started it dies, then
-# exec the real command. Catches the parent's SIGKILL (a notebook kernel killed hard), where no Python
-# cleanup runs. The parent pid is checked after prctl, in case the parent died in between.
-_PDEATHSIG_PRELUDE = (
-    "import ctypes, os, signal, subprocess, sys, time\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-)
-_PDEATHSIG_EXEC = _PDEATHSIG_PRELUDE + "os.execvp(sys.argv[2], sys.argv[2:])\n"
-
-
-# ----------------------------------------------------------------------------------------------------
 # the server
 
 
@@ -306,11 +226,11 @@ class VllmServer:
         """Launch the server and wait for ``/health``; on any failure the process group is stopped."""
         if self.proc is not None:
             raise ServerError("server already started")
-        _install_hooks()
+        install_exit_hooks()
         self.port = self.port or free_port()
         argv = self.argv()
         if self.die_with_parent:
-            argv = [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *argv]
+            argv = [sys.executable, "-c", PDEATHSIG_EXEC, str(os.getpid()), *argv]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}  # unbuffered: the log tail is current
         t0 = time.monotonic()
@@ -321,8 +241,7 @@ class VllmServer:
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         self.pgid = self.proc.pid  # start_new_session: the child leads its own group
-        with _LIVE_LOCK:
-            _LIVE.add(self)
+        track(self)
         try:
             self._wait_healthy(t0)
         except BaseException:  # KeyboardInterrupt during the wait too
@@ -368,8 +287,7 @@ class VllmServer:
             return
         pgid, proc = self.pgid, self.proc
         left = stop_process_group(proc, pgid, self.shutdown_grace_s)
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
+        untrack(self)
         self.proc = None
         if left:
             raise ServerError(f"processes of server group {pgid} survived SIGKILL: {left}")
@@ -411,131 +329,6 @@ class VllmServer:
             return r.read().decode("utf-8")
 
 
-def _killpg(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
-def stop_process_group(proc: subprocess.Popen[Any], pgid: int, grace_s: float) -> list[int]:
-    """SIGTERM process group ``pgid`` (led by ``proc``), wait up to ``grace_s``, then SIGKILL what is left.
-
-    Returns the pids still alive after that (normally none).
-    """
-    deadline = time.monotonic() + grace_s
-    _killpg(pgid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if group_members(pgid) or proc.poll() is None:
-        _killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-        end = time.monotonic() + 10
-        while group_members(pgid) and time.monotonic() < end:
-            time.sleep(0.1)
-    return group_members(pgid)
-
-
-# Runs as the leader of a run_in_group job: ask Linux for SIGTERM when the thread that started it dies, start the
-# job in the same group, and on SIGTERM (from there, or from stop_process_group) stop the whole group: a job's
-# own helpers (an engine core) may ignore the death of their parent, so the guard does not leave it to them.
-_GROUP_GUARD_EXEC = _PDEATHSIG_PRELUDE + (
-    "grace = float(sys.argv[2])\n"
-    "job = subprocess.Popen(sys.argv[3:])\n"
-    "def stop(signum, frame):\n"
-    "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-    "    os.killpg(0, signal.SIGTERM)\n"
-    "    try: job.wait(timeout=grace)\n"
-    "    except subprocess.TimeoutExpired: pass\n"
-    "    time.sleep(0.5)\n"
-    "    os.killpg(0, signal.SIGKILL)\n"
-    "signal.signal(signal.SIGTERM, stop)\n"
-    # not job.wait(): the handler's wait would then find Popen's wait lock taken and sleep out its whole grace
-    "while job.poll() is None: time.sleep(0.05)\n"
-    "rc = job.returncode\n"
-    "sys.exit(rc if rc >= 0 else 128 - rc)\n"
-)
-
-
-class ProcessGroup:
-    """A job started by :func:`start_in_group`: its own process group, stopped as a whole by :meth:`stop` (and
-    by the same exit hooks as the servers, and by its guard when this process dies)."""
-
-    def __init__(self, proc: subprocess.Popen[Any], grace_s: float) -> None:
-        self.proc, self.grace_s = proc, grace_s
-
-    def alive(self) -> bool:
-        """Whether the job (its guard, which waits for it) is still running."""
-        return self.proc.poll() is None
-
-    def wait(self, timeout_s: float) -> int:
-        """The job's exit status (128 + N when it died of signal N), or 124 when ``timeout_s`` passed first."""
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return 124
-
-    def stop(self) -> None:
-        """SIGTERM the whole group, SIGKILL what is left after the grace period."""
-        stop_process_group(self.proc, self.proc.pid, self.grace_s)
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
-
-    def __enter__(self) -> ProcessGroup:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-def start_in_group(
-    argv: Sequence[str],
-    log_path: str | Path,
-    *,
-    env: Mapping[str, str] | None = None,
-    grace_s: float = 15.0,
-    die_with_parent: bool = True,
-) -> ProcessGroup:
-    """Start ``argv`` in a process group of its own, output to ``log_path`` (written afresh), and return it.
-
-    The group is led by a guard process under ``PR_SET_PDEATHSIG``: if this process dies, even by SIGKILL, the
-    guard stops the whole group, so a vLLM engine and its engine core cannot outlive the script that started
-    them (they would hold the GPU and upset vLLM's memory profiling in the next engine's start; seen on
-    2026-12-02, when a child in its own session outlived its parent's time limit).
-    """
-    _install_hooks()
-    die_with_parent = die_with_parent and sys.platform.startswith("linux")
-    full = ([sys.executable, "-c", _GROUP_GUARD_EXEC, str(os.getpid()), str(grace_s), *argv] if die_with_parent
-            else list(argv))
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(env) if env is not None else None, start_new_session=True)
-    group = ProcessGroup(proc, grace_s)
-    with _LIVE_LOCK:
-        _LIVE.add(group)
-    return group
-
-
-def run_in_group(
-    argv: Sequence[str],
-    log_path: str | Path,
-    *,
-    timeout_s: float,
-    env: Mapping[str, str] | None = None,
-    grace_s: float = 15.0,
-    die_with_parent: bool = True,
-) -> int:
-    """Run ``argv`` to completion in a process group of its own (:func:`start_in_group`); returns its exit
-    status (128 + N when the job died of signal N), or 124 when ``timeout_s`` passed.
-
-    Whatever way this call ends (normal exit, timeout, an exception, Ctrl-C, SIGTERM/SIGHUP to this process,
-    or this process killed outright), the whole group is stopped before it returns.
-    """
-    with start_in_group(argv, log_path, env=env, grace_s=grace_s, die_with_parent=die_with_parent) as group:
-        return group.wait(timeout_s)
-
-
 # ----------------------------------------------------------------------------------------------------
 # /metrics -> SpecDecodeStats
 
@@ -564,8 +357,6 @@ def spec_decode_metrics(text: str) -> list[CounterValue | VectorValue]:
     Counter samples carry Prometheus' ``_total`` suffix; ``_created`` samples are skipped. The
     per-position counter is gathered into a vector indexed by its ``position`` label.
     """
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: list[CounterValue | VectorValue] = []
     vectors: dict[tuple[tuple[str, str], ...], dict[int, int]] = {}
     for family in text_string_to_metric_families(text):
@@ -595,7 +386,7 @@ def stats_from_metrics_text(before: str | None, after: str) -> SpecDecodeStats:
 
 
 class VllmServedEngine:
-    """The :class:`eagle3lab.engine.Engine` protocol over ``vllm serve`` and its OpenAI-compatible API.
+    """The :class:`eagle3lab.engines.base.Engine` protocol over ``vllm serve`` and its OpenAI-compatible API.
 
     One server runs at a time. ``generate`` uses a baseline server; ``speculative_generate`` a server
     launched with ``--speculative-config`` for that drafter and k. They start lazily, and switching stops
@@ -658,8 +449,6 @@ class VllmServedEngine:
 
     # -- servers
     def _server_for(self, drafter_path: str | Path | None, k: int = 0) -> VllmServer:
-        from dataclasses import replace
-
         spec = replace(
             self.base_spec,
             drafter_path=None if drafter_path is None else str(Path(drafter_path).resolve()),
@@ -760,9 +549,7 @@ class VllmServedEngine:
         seed: int = 0,
     ) -> list[list[int]]:
         """New tokens per prompt from the baseline server; prompt i is sampled with seed ``seed + i``."""
-        _check_prompts(prompt_ids)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_generate_args(prompt_ids, max_new_tokens)
         self._server_for(None)
         t0 = time.perf_counter()  # server start-up excluded, as in the offline engine
         out = self._batch(prompt_ids, max_new_tokens, temperature, top_p, seed)
@@ -771,7 +558,7 @@ class VllmServedEngine:
 
     def time_batch1(self, prompt_ids: list[list[int]], max_new_tokens: int) -> Batch1Timing:
         """Greedy requests to the baseline server one at a time, each timed (the batch-1 baseline)."""
-        _check_prompts(prompt_ids)
+        check_prompts(prompt_ids)
         self._server_for(None)
         timing = Batch1Timing()
         for i, p in enumerate(prompt_ids):
@@ -801,7 +588,7 @@ class VllmServedEngine:
         counters are server-wide, not per request. vLLM records a step's counters before the step's
         outputs reach the HTTP handler; a last read after the loop checks that nothing arrived late.
         """
-        _check_prompts(prompt_ids)
+        check_prompts(prompt_ids)
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if not Path(drafter_path).is_dir():
