@@ -556,7 +556,7 @@ def test_kimi_k25_wrapper_refused_then_patched_on_vllm_cpu(tmp_path):
     assert served.outputs and len(served.outputs[0]) == 8
 
 
-# -- run_in_group: a job (an engine child of scripts/gpu_engine_proofs.py, a 02 launch probe) that must not outlive
+# -- run_in_group: a job (an engine child of benchmarks/tools/gpu_engine_proofs.py, a 02 launch probe) that must not outlive
 # the call that started it, whatever ends that call.
 
 # The job: a helper process in the same group (as an engine core would be), its group id printed, then a long sleep.

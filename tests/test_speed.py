@@ -1,16 +1,19 @@
-"""eagle3lab.speed: the speed suite's figures from its engines' results, on hand-made results and on the results
+"""benchmarks/tools/speed.py: the speed suite's figures from its engines' results, on hand-made results and on the results
 committed from the H200 (read back and recomputed)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-from eagle3lab import speed as SPD
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))  # the bench's tooling, not part of the installed package
+import speed as SPD  # noqa: E402
 
-GPU = Path(__file__).resolve().parents[1] / "benchmarks/gpu/20261202-h200-proofs"
+GPU = ROOT / "benchmarks/gpu/20261202-h200-proofs"
 
 
 def result(tps: dict[str, float], stats: dict | None = None, outputs: list | None = None) -> dict:

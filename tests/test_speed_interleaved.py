@@ -1,4 +1,4 @@
-"""eagle3lab.speed's interleaved suite: the rotation, the per-round ratios and verdicts on hand-made repetitions,
+"""benchmarks/tools/speed.py's interleaved suite: the rotation, the per-round ratios and verdicts on hand-made repetitions,
 and the parent's side of the protocol against real child processes that speak it (stand-ins for vLLM engines:
 they answer with fixed timings, so the figures the parent computes can be checked exactly)."""
 
@@ -8,11 +8,15 @@ import math
 import os
 import statistics
 import sys
+from pathlib import Path
 
 import pytest
 
-from eagle3lab import speed as SPD
 from eagle3lab.engines.processes import group_members
+
+TOOLS = Path(__file__).resolve().parents[1] / "benchmarks" / "tools"
+sys.path.insert(0, str(TOOLS))  # the bench's tooling, not part of the installed package
+import speed as SPD  # noqa: E402
 
 
 def rep(rd: int, b: int, name: str, seconds: float, tokens: int = 100) -> dict:
@@ -105,9 +109,9 @@ def test_interleaved_results_feed_the_figures():
 
 
 # A stand-in engine child: argv[1] is its seconds per repetition; "fail" fails at start, "hang" never answers.
-CHILD = r"""
+CHILD = f"import sys; sys.path.insert(0, {str(TOOLS)!r})\n" + r"""
 import sys, time
-from eagle3lab.speed import live_connection
+from speed import live_connection
 conn = live_connection()
 mode = sys.argv[1]
 if mode == "fail":
@@ -220,7 +224,7 @@ def test_a_child_that_never_connects_is_reported(tmp_path):
 @pytest.mark.vllm_cpu
 @pytest.mark.slow
 def test_ratio_suite_on_real_vllm_cpu_engines(tmp_path):
-    """scripts/gpu_engine_proofs.py --suite ratio end to end through real vLLM engines (vllm-cpu): a native and a
+    """benchmarks/tools/gpu_engine_proofs.py --suite ratio end to end through real vLLM engines (vllm-cpu): a native and a
     forced EAGLE-3 engine with our drafter format, alive at once; every repetition lasts its minimum, the workers
     say which forward they run, both close, and nothing of either is left running."""
     import json
@@ -243,7 +247,7 @@ def test_ratio_suite_on_real_vllm_cpu_engines(tmp_path):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "eagle3lab", CPU_FIXES_ENV: "1"}
     opts = {"dtype": "float32", "enforce_eager": True, "attention_backend": "CPU_MLA", "max_model_len": 256}
     proc = subprocess.run(
-        [str(py), str(ROOT / "scripts/gpu_engine_proofs.py"), str(run), str(out), "--suite", "ratio",
+        [str(py), str(ROOT / "benchmarks/tools/gpu_engine_proofs.py"), str(run), str(out), "--suite", "ratio",
          "--engines", "native,forced", "--rounds", "1", "--prompts", "2", "--max-tokens", "8",
          "--rep-min-seconds", "0.3", "--batches", "1,8", "--engine-options", json.dumps(opts)],
         env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip

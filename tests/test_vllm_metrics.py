@@ -1,7 +1,7 @@
 """vLLM's spec-decode metrics as a real engine reports them, read by our code.
 
 The fixtures ``tests/fixtures/vllm_metrics_*.json`` are snapshots of ``LLM.get_metrics()`` before and after
-a speculative-decoding workload on a GPU (``scripts/gpu_engine_proofs.py`` writes them: ``before``/``after``
+a speculative-decoding workload on a GPU (``benchmarks/tools/gpu_engine_proofs.py`` writes them: ``before``/``after``
 lists of {name, labels, value | values}, plus ``k`` and the ``stats`` that run computed). They are the
 independent truth for the metric names and shapes :func:`eagle3lab.acceptance.stats_from_vllm_metrics`
 assumes; nothing here builds a snapshot under the names the code expects.
@@ -21,7 +21,7 @@ FIXTURES = sorted((Path(__file__).resolve().parent / "fixtures").glob("vllm_metr
 if not FIXTURES:
     pytestmark = pytest.mark.skip(
         reason="no tests/fixtures/vllm_metrics_*.json yet: they come from a real engine on a GPU "
-        "(scripts/gpu_engine_proofs.py), none has been captured in this checkout"
+        "(benchmarks/tools/gpu_engine_proofs.py), none has been captured in this checkout"
     )
 
 

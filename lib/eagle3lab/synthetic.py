@@ -123,7 +123,7 @@ def profile_prompts(params: Any, tokenizer: Any) -> tuple[list[list[int]], list[
     """(training prompts, held-out prompts) as a profile's params make them (03 writes the held-out ones):
     ``data.prompts_file`` when set, else windows of the embedded corpus's two splits. The same params and
     tokenizer give the same prompts, so a run that stopped before 03 can still be measured on its held-out
-    prompts (``scripts/precision_error.py``)."""
+    prompts (``benchmarks/tools/precision_error.py``)."""
     data = params.data
     if data.prompts_file is not None:
         return file_prompts(data.prompts_file, tokenizer, data.num_prompts, data.heldout_prompts, params.seed)

@@ -1,4 +1,4 @@
-"""Figures of the speed benchmark (``scripts/gpu_engine_proofs.py --suite speed``) from its engines' results.
+"""Figures of the speed benchmark (``benchmarks/tools/gpu_engine_proofs.py --suite speed``) from its engines' results.
 
 Each engine configuration (``baseline``: no speculation; ``native``: EAGLE-3 with vLLM's forward; ``forced``:
 EAGLE-3 with our patched forward forced over it) runs in a child process of its own and leaves one result:

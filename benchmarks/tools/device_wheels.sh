@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepares what scripts/gpu_session.sh carries to the lent GPU machine, which reaches no package registry:
+# Prepares what benchmarks/tools/gpu_session.sh carries to the lent GPU machine, which reaches no package registry:
 #   .device-wheels/  py3.12 manylinux wheels of eagle3lab's dependencies that neither the machine's image nor
 #                    the staged vLLM (../shared/device/stage-vllm.sh, run it first) provides: the notebook stack
 #                    (papermill, nbconvert, ipykernel, plotly, ...) and three packages `vllm serve` 0.26 imports

@@ -1,7 +1,7 @@
 """How far a bf16 (or fp16) forward of a run's target strays from float32: the measured yardstick that 05 uses to
 read a greedy mismatch as a tie the precision cannot resolve (``eagle3lab.divergence.precision_error``).
 
-    python scripts/precision_error.py outputs/<run> [--prompts 32] [--new-tokens 64] [--dtype bfloat16]
+    python benchmarks/tools/precision_error.py outputs/<run> [--prompts 32] [--new-tokens 64] [--dtype bfloat16]
         [--device cpu] [--out benchmarks/precision-error-<host>-<date>.json]
 
 The target is loaded in float32, its greedy continuations of the run's held-out prompts are generated in float32,

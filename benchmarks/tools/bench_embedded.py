@@ -1,6 +1,6 @@
 """Benchmark the README's run command: wall time and peak memory of the whole process tree.
 
-    .venv/bin/python scripts/bench_embedded.py [--params params/embedded.yaml] [-p k=v ...]
+    .venv/bin/python benchmarks/tools/bench_embedded.py [--params params/embedded.yaml] [-p k=v ...]
 
 Runs `python -m eagle3lab run` as a child, samples the summed RSS of it and all its descendants (the
 notebook kernels) every 0.5 s, and writes benchmarks/<profile>-<date>.json with the machine, the date,
@@ -24,7 +24,7 @@ import psutil
 
 from eagle3lab.provenance import package_versions
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tree_rss(proc: psutil.Process) -> int:

@@ -9,19 +9,19 @@
 #              after 03, the rest stays pending)
 #   resume     eagle3lab run --resume on that run folder (a device call is limited to 10 minutes: a run that
 #              does not fit one call continues in the next, on the same warm machine)
-#   proofs     scripts/gpu_engine_proofs.py on that run (suite single)
-#   tp         scripts/gpu_engine_proofs.py --suite tp on that run
-#   speed      scripts/gpu_engine_proofs.py --suite speed (target deepened to LAYERS layers; resumable; SPEED_ENGINES
+#   proofs     benchmarks/tools/gpu_engine_proofs.py on that run (suite single)
+#   tp         benchmarks/tools/gpu_engine_proofs.py --suite tp on that run
+#   speed      benchmarks/tools/gpu_engine_proofs.py --suite speed (target deepened to LAYERS layers; resumable; SPEED_ENGINES
 #              in order, repeats allowed: native,forced,native,forced; SPEED_DIR=/tmp/speed2 measures afresh)
-#   ratio      scripts/gpu_engine_proofs.py --suite ratio (forced vs native, every instance alive at once, repetitions
+#   ratio      benchmarks/tools/gpu_engine_proofs.py --suite ratio (forced vs native, every instance alive at once, repetitions
 #              in turn; RATIO_ENGINES, RATIO_ROUNDS, RATIO_LAYERS: default the run's target as it is; RATIO_REP_S: the
 #              shortest repetition, 1.0 s; RATIO_BATCHES: 1,8,32; RATIO_ROUNDS_S: no round starts after this many
 #              seconds of rounds, RATIO_UNTIL: nor after this time (epoch seconds); RATIO_ROUNDS then only bounds them)
-#   extract    scripts/gpu_engine_proofs.py --suite extract (hidden-state extraction vs plain prefill; with
+#   extract    benchmarks/tools/gpu_engine_proofs.py --suite extract (hidden-state extraction vs plain prefill; with
 #              EXTRACT_PARAMS=params/embedded-gpu.yaml on a fresh target of that profile's shapes)
-#   served     scripts/gpu_engine_proofs.py --suite served
+#   served     benchmarks/tools/gpu_engine_proofs.py --suite served
 #   tests      the GPU-marked tests
-#   yardstick  scripts/precision_error.py --device cuda on this machine's workbook run (after WB_UNTIL=00 workbook
+#   yardstick  benchmarks/tools/precision_error.py --device cuda on this machine's workbook run (after WB_UNTIL=00 workbook
 #              at least): how far the GPU profile's bf16 target strays from float32, 05's tie yardstick
 #   bg         run BG_STEPS (these steps, in order) in the background, its $OUT /tmp/bgout: a suite longer than one
 #              call's 10 minutes lives on over several calls while the machine stays warm
@@ -96,24 +96,24 @@ resume)
   copy_run; cd "$here";;
 proofs)
   run=$(proof_run) || continue
-  cd /tmp/src && timeout "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/proofs" --prompts 32 --max-tokens 64 \
+  cd /tmp/src && timeout "${PROOF_TIMEOUT:-570}" python3 benchmarks/tools/gpu_engine_proofs.py "$run" "$OUT/proofs" --prompts 32 --max-tokens 64 \
       2>&1 | tail -60
   cd "$here";;
 tp)
   run=$(proof_run) || continue
-  cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/tp" --suite tp \
+  cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 benchmarks/tools/gpu_engine_proofs.py "$run" "$OUT/tp" --suite tp \
       --tp 2 --prompts 32 --max-tokens 64 > "$OUT/tp.txt" 2>&1; tail -40 "$OUT/tp.txt"
   cd "$here";;
 speed)
   run=$(proof_run) || continue
   sd=${SPEED_DIR:-/tmp/speed}; mkdir -p "$sd"  # a fresh SPEED_DIR measures again; the same one resumes
-  cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" "$sd" --suite speed \
+  cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 benchmarks/tools/gpu_engine_proofs.py "$run" "$sd" --suite speed \
       --layers "${LAYERS:-96}" --engines "${SPEED_ENGINES:-baseline,native,forced}" --prompts 32 --max-tokens 64 > "$sd/speed.txt" 2>&1; tail -40 "$sd/speed.txt"
   rm -f "$sd"/*.pt; cp -r "$sd" "$OUT/$(basename "$sd")"
   cd "$here";;
 ratio)
   run=$(proof_run) || continue
-  cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/ratio" --suite ratio \
+  cd /tmp/src && bounded "${PROOF_TIMEOUT:-570}" python3 benchmarks/tools/gpu_engine_proofs.py "$run" "$OUT/ratio" --suite ratio \
       --engines "${RATIO_ENGINES:-native,forced,native,forced}" --rounds "${RATIO_ROUNDS:-10}" ${RATIO_LAYERS:+--layers $RATIO_LAYERS} \
       --rep-min-seconds "${RATIO_REP_S:-1.0}" --batches "${RATIO_BATCHES:-1,8,32}" ${RATIO_ROUNDS_S:+--rounds-seconds $RATIO_ROUNDS_S} \
       ${RATIO_UNTIL:+--rounds-until $RATIO_UNTIL} \
@@ -121,12 +121,12 @@ ratio)
   cd "$here";;
 extract)
   run=$(proof_run) || continue
-  cd /tmp/src && timeout 300 python3 scripts/gpu_engine_proofs.py "$run" "$OUT/extract" --suite extract \
+  cd /tmp/src && timeout 300 python3 benchmarks/tools/gpu_engine_proofs.py "$run" "$OUT/extract" --suite extract \
       ${EXTRACT_PARAMS:+--target-params $EXTRACT_PARAMS} --extract-samples "${EXTRACT_SAMPLES:-256}" > "$OUT/extract.txt" 2>&1; tail -20 "$OUT/extract.txt"
   cd "$here";;
 served)
   run=$(proof_run) || continue
-  cd /tmp/src && bounded "${PROOF_TIMEOUT:-300}" python3 scripts/gpu_engine_proofs.py "$run" "$OUT/served" --suite served \
+  cd /tmp/src && bounded "${PROOF_TIMEOUT:-300}" python3 benchmarks/tools/gpu_engine_proofs.py "$run" "$OUT/served" --suite served \
       --prompts 16 --max-tokens 64 > "$OUT/served.txt" 2>&1; tail -30 "$OUT/served.txt"
   cd "$here";;
 tests)
@@ -135,13 +135,13 @@ tests)
 yardstick)
   run=$(ls -d /tmp/e3out/*/ 2>/dev/null | head -1)
   [ -n "$run" ] || { echo "yardstick: no workbook run on this machine (run WB_UNTIL=00 workbook first)"; continue; }
-  cd /tmp/src && timeout "${YARD_TIMEOUT:-300}" python3 scripts/precision_error.py "$run" --device cuda \
+  cd /tmp/src && timeout "${YARD_TIMEOUT:-300}" python3 benchmarks/tools/precision_error.py "$run" --device cuda \
       --prompts "${YARD_PROMPTS:-64}" --new-tokens "${YARD_TOKENS:-128}" --out "$OUT/precision-error-gpu.json" \
       > "$OUT/yardstick.txt" 2>&1; tail -30 "$OUT/yardstick.txt"
   cd "$here";;
 bg)
   # A copy of this script runs them: the next call may bring a fresh copy of the working tree under it.
-  rm -rf /tmp/bgout && mkdir -p /tmp/bgout && cp "$here/scripts/gpu_session.sh" /tmp/bg-session.sh
+  rm -rf /tmp/bgout && mkdir -p /tmp/bgout && cp "$here/benchmarks/tools/gpu_session.sh" /tmp/bg-session.sh
   OUT=/tmp/bgout setsid nohup bash /tmp/bg-session.sh ${BG_STEPS:?BG_STEPS: the steps to run} > /tmp/bg.log 2>&1 < /dev/null &
   echo $! > /tmp/bg.pid; echo "background: $BG_STEPS (pid $(cat /tmp/bg.pid))";;
 poll)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Packs what a GPU session carries (.device-stage from ../shared/device/stage-vllm.sh, .device-wheels and
-# .device-snap from scripts/device_wheels.sh) into .device-pack/chunk-NN, each small enough to travel beside the
+# .device-snap from benchmarks/tools/device_wheels.sh) into .device-pack/chunk-NN, each small enough to travel beside the
 # working tree in one device call (a call carries at most 64 MiB in all). On the device, one call per chunk, each
 # with carry [".device-pack/receive.sh", ".device-pack/chunk-NN"]:
 #     bash .device-pack/receive.sh            keeps the chunk in /tmp/chunks; with the last one it unpacks all,
 #                                             installs vLLM into /tmp/site (install.sh) and is ready for
-#                                             `bash scripts/gpu_session.sh setup ...` in the same call
+#                                             `bash benchmarks/tools/gpu_session.sh setup ...` in the same call
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
 grep -qx /.device-pack/ .git/info/exclude || echo /.device-pack/ >> .git/info/exclude
@@ -17,7 +17,7 @@ tar -cf - .device-stage .device-wheels .device-snap | split -b "$budget" -d -a 2
 n=$(ls .device-pack/chunk-* | wc -l)
 cat > .device-pack/receive.sh <<SH
 #!/bin/bash
-# Device side of scripts/device_pack.sh: collect the chunks, then unpack and install vLLM.
+# Device side of benchmarks/tools/device_pack.sh: collect the chunks, then unpack and install vLLM.
 set -euo pipefail
 mkdir -p /tmp/chunks && cp .device-pack/chunk-* /tmp/chunks/
 have=\$(ls /tmp/chunks | wc -l); echo "chunks on this machine: \$have of $n"

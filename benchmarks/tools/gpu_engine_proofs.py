@@ -1,6 +1,6 @@
 """GPU proofs for the vLLM engine (issue: the vLLM engine, for real). Run on the device, on a finished run.
 
-    python scripts/gpu_engine_proofs.py RUN_DIR OUT_DIR [--suite single|tp] [--prompts 32] [--max-tokens 64]
+    python benchmarks/tools/gpu_engine_proofs.py RUN_DIR OUT_DIR [--suite single|tp] [--prompts 32] [--max-tokens 64]
 
 RUN_DIR is a finished workbook run (its artifacts/target, artifacts/drafter, artifacts/data). Every engine runs
 in a child process of its own with the patch chosen through ``EAGLE3LAB_PATCH``, so the patch reaches the
@@ -22,11 +22,11 @@ suite ``speed``: output tokens/s with and without EAGLE-3 (and our forward force
   drafter's); resumable over several device calls.
 suite ``ratio``: our forward forced against vLLM's native one, compiled with CUDA graphs, with every instance alive at
   once (``native,forced,native,forced`` by default) and their repetitions taken in turn, round by round
-  (``eagle3lab.speed``): per-round ratios and the spread between instances of one configuration.
+  (``benchmarks/tools/speed.py``): per-round ratios and the spread between instances of one configuration.
 suite ``extract``: hidden-state extraction (transformers, our hooks, shards on disk) against a plain prefill of the
   same batches on the GPU (``ratio``), and against the same forward that extraction runs, up to the highest aux
   layer, without copies or writes (``ratio_to_aux_forward``: what the copies and writes cost).
-suite ``served``: ``vllm serve`` through ``serve.VllmServedEngine`` (baseline, then EAGLE-3 with the patch under
+suite ``served``: ``vllm serve`` through ``eagle3lab.engines.vllm_served.VllmServedEngine`` (baseline, then EAGLE-3 with the patch under
   the legacy simulation), and no GPU process left after the shutdown.
 
 Writes OUT_DIR/proofs.json and one log per engine (suite ``speed`` also OUT_DIR/speed.md, its table); metric
@@ -131,10 +131,11 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
 
 def live_child(job: dict[str, Any]) -> None:
     """One engine instance of suite ``ratio``: start it, say so, then answer the parent's requests
-    (``eagle3lab.speed``'s protocol) until it asks to close."""
+    (the protocol of ``benchmarks/tools/speed.py``) until it asks to close."""
     import traceback
 
-    from eagle3lab import speed as SPD
+    import speed as SPD
+
     from eagle3lab.acceptance import stats_from_vllm_metrics
     from eagle3lab.engines.vllm_offline import VllmEngine
 
@@ -280,8 +281,8 @@ def _extraction_bench(run_dir: Path, aux_ids: list[int], n_samples: int = 256, d
 
     import torch
 
-    from eagle3lab.engines.reference import ReferenceEngine
     from eagle3lab.aux_states.shards import extract_hidden_states
+    from eagle3lab.engines.reference import ReferenceEngine
     from eagle3lab.synthetic import read_samples, write_jsonl_atomic
 
     eng = ReferenceEngine(target or run_dir / "artifacts/target", device=device, dtype="bfloat16")
@@ -376,7 +377,7 @@ def suite_single(run_dir: Path, out: Path, n: int, mt: int, k: int) -> dict[str,
         return None if oa is None or ob is None else oa == ob
 
     def mismatches(a: str, b: str) -> int | None:
-        from eagle3lab.speed import mismatches as count
+        from speed import mismatches as count
 
         return count(R[a], R[b])
 
@@ -480,7 +481,7 @@ def tp_summary(R: dict[str, dict], out: Path, tp: int) -> dict[str, Any]:
                                if "does not support EAGLE3 interface" in ln and "(" in ln and "pid=" in ln})
 
     def same(a: str, b: str) -> int | None:
-        from eagle3lab.speed import mismatches as count
+        from speed import mismatches as count
 
         return count(R[a], R[b])
 
@@ -511,10 +512,11 @@ def suite_speed(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int, 
     Each engine's result is kept in OUT (``<name>.result.json``) and not run again, so the suite can be
     spread over several device calls; with ``run`` False nothing runs, and the figures are rebuilt from the
     kept results. ``engines`` says which engines run, in order; a configuration named twice runs twice
-    (``native,forced,native,forced``: engine instances differ, see ``eagle3lab.speed``).
+    (``native,forced,native,forced``: engine instances differ, see ``speed`` (benchmarks/tools/speed.py)).
     """
 
-    from eagle3lab import speed as SPD
+    import speed as SPD
+
     from eagle3lab.target import deepen_target
 
     deep = deep_target_dir(layers)
@@ -565,7 +567,7 @@ def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int |
                 batches: tuple[int, ...] = (1, 8, 32), rep_min_seconds: float = 1.0,
                 run: bool = True, options: dict[str, Any] | None = None,
                 rounds_seconds: float | None = None, rounds_until: float | None = None) -> dict[str, Any]:
-    """Our forward forced against vLLM's native one, every instance alive at once (``eagle3lab.speed``).
+    """Our forward forced against vLLM's native one, every instance alive at once (``benchmarks/tools/speed.py``).
 
     The instances start one after another; then each round times one repetition of every instance at every
     batch size, in an order rotated each round. Throughput per instance is the median of its repetitions;
@@ -574,7 +576,8 @@ def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int |
     and the figures are rebuilt from that file (a suite cut by its call's limit after its rounds).
     """
 
-    from eagle3lab import speed as SPD
+    import speed as SPD
+
     from eagle3lab.target import deepen_target
 
     src_layers = json.loads((run_dir / "artifacts/target/config.json").read_text())["num_hidden_layers"]
@@ -648,7 +651,7 @@ def suite_ratio(run_dir: Path, out: Path, n: int, mt: int, k: int, layers: int |
 
 def _ratio_figures(res: dict[str, Any], reps: list[dict[str, Any]], counters: dict[str, dict[str, Any]],
                    k: int) -> dict[str, Any]:
-    from eagle3lab import speed as SPD
+    import speed as SPD
 
     res.update(SPD.figures(SPD.interleaved_results(reps, counters), k))
     res["paired_ratio"] = SPD.paired_ratios(reps)
@@ -680,8 +683,8 @@ def divergence_summary(run_dir: Path, prompts: list[list[int]], a: list[list[int
 def suite_served(run_dir: Path, out: Path, n: int, mt: int, k: int) -> dict[str, Any]:
     """``vllm serve`` on the GPU through VllmServedEngine: baseline, then EAGLE-3 under the legacy simulation
     with the patch (through the plugin), then a clean shutdown with no process of the server left."""
-    from eagle3lab.plugin import plugin_env
     from eagle3lab.engines.vllm_served import VllmServedEngine
+    from eagle3lab.plugin import plugin_env
 
     prompts = _prompts(run_dir, n)
     pids_before = _gpu_pids()
@@ -768,7 +771,7 @@ def main() -> int:
     elif a.suite == "speed":
         res = suite_speed(run_dir, out, a.prompts, a.max_tokens, a.k, a.layers or 96, run=not a.no_run,
                           engines=tuple((a.engines or "baseline,native,forced").split(",")))
-        from eagle3lab.speed import table as speed_table
+        from speed import table as speed_table
 
         (out / "speed.md").write_text(speed_table(res))
     elif a.suite == "ratio":
@@ -778,7 +781,7 @@ def main() -> int:
                           rep_min_seconds=a.rep_min_seconds, run=not a.no_run,
                           options=json.loads(a.engine_options) if a.engine_options else None,
                           rounds_seconds=a.rounds_seconds, rounds_until=a.rounds_until)
-        from eagle3lab.speed import ratio_table
+        from speed import ratio_table
 
         (out / "ratio.md").write_text(ratio_table(res))
     elif a.suite == "extract":
