@@ -118,3 +118,30 @@ def test_humaneval_prompts(built):
     cut = S.humaneval_prompts(tok, 10, max_tokens=16)
     assert len(cut) == 10 and all(len(p) <= 16 for p in cut)
     assert cut[0] == full[0][-16:]  # the end of the prompt (the function asked for) is kept
+
+
+def test_a_bad_json_line_is_an_error_naming_the_file_and_line(built, tmp_path):
+    """A complete line that is not JSON is corruption, not the end of the data: reading samples, resuming their
+    generation and reading a prompts file each name the file and the line. Only a torn last line (no newline
+    after it: a kill mid-append) is passed over."""
+    eng, tok, corpus = built
+    prompts, _ = S.corpus_prompts(tok, corpus, 4, 1, 8, seed=0)
+    kw = dict(max_new_tokens=4, batch_size=2, seed=0, progress=False)
+    path = S.generate_samples(eng, prompts, tmp_path / "data", **kw)
+    lines = path.read_text().splitlines(keepends=True)
+    assert len(lines) == 4
+    path.write_text(lines[0] + lines[1][:15] + "\n" + lines[2] + lines[3])  # line 2 cut short inside the file
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=r"samples\.jsonl:2: not valid JSON"):
+        S.read_samples(path.parent)
+    with pytest.raises(ValueError, match=r"samples\.jsonl:2: not a sample record"):
+        S.generate_samples(eng, prompts, tmp_path / "data", **kw)
+    assert path.read_bytes() == before, "a corrupt file is reported, not truncated after its bad line"
+    # a torn last line is what a kill leaves: ignored on reading
+    path.write_text("".join(lines[:3]) + lines[3][:15])
+    assert [r["id"] for r in S.read_samples(path)] == [0, 1, 2]
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "def f(x):"}\n{"prompt": "def g(\n{"prompt": "def h(y):"}\n')
+    with pytest.raises(ValueError, match=r"prompts\.jsonl:2: not valid JSON"):
+        S.file_prompts(f, tok, 1, 1, 0)
