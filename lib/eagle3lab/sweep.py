@@ -14,6 +14,7 @@ middle / late sets of the same size.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +24,12 @@ import plotly.graph_objects as go
 import torch
 
 from eagle3lab.acceptance import PromptIntervals, SpecDecodeStats
+from eagle3lab.aux_layers import default_aux_layer_ids
 from eagle3lab.aux_states.hooks import decoder_parts
 from eagle3lab.aux_states.shards import MANIFEST, HiddenStateDataset, extract_hidden_states
-from eagle3lab.speculate import select_layers
+from eagle3lab.drafter import save_drafter
+from eagle3lab.speculate import replay_drafter, select_layers
+from eagle3lab.train import train_drafter_for_target
 
 
 @dataclass
@@ -51,8 +55,6 @@ def ablation_sets(
     num_layers: int, profile_ids: Sequence[int], extra: Sequence[Sequence[int]] = ()
 ) -> list[AblationSet]:
     """The sets to compare for a target of ``num_layers`` layers (duplicates merged into the first name)."""
-    from eagle3lab.aux_layers import default_aux_layer_ids
-
     prof = sorted(int(i) for i in profile_ids)
     n = len(prof)
     mid = max(1, min(num_layers - n + 1, num_layers // 2 - (n - 1) // 2))
@@ -163,9 +165,6 @@ def train_set(
 
     Checkpoints and the drafter land under ``out_dir`` (``ckpt-<ids>``, ``drafter-<ids>``): resumable.
     """
-    from eagle3lab.drafter import save_drafter
-    from eagle3lab.train import train_drafter_for_target
-
     tag = "-".join(str(i) for i in sorted(ids))
     out = Path(out_dir)
     drafter, result = train_drafter_for_target(
@@ -187,11 +186,6 @@ def run_ablation(
     Returns ``(result, traces)`` per trained set, in the order given; ``result.train_seconds`` includes the
     replay.
     """
-    import time
-
-    from eagle3lab.acceptance import SpecDecodeStats
-    from eagle3lab.speculate import replay_drafter
-
     out = []
     for s in sets:
         if s.ids is None:
