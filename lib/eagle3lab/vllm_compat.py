@@ -122,21 +122,32 @@ def registry_architectures() -> list[tuple[str, str]]:
 def load_model_class(arch: str) -> type:
     """The class vLLM's registry loads for ``arch``.
 
-    ValueError (saying which) when the architecture is not registered or its module fails to import on
-    this host (some need kernels a CPU host lacks).
+    ValueError (saying which, with the import error) when the architecture is not registered or its module
+    fails to import on this host (some need kernels or packages a CPU host lacks).
     """
+    cls, error = _load_outcome(arch)
+    if cls is None:
+        raise ValueError(error)
+    return cls
+
+
+@functools.cache
+def _load_outcome(arch: str) -> tuple[type | None, str]:
+    # Cached per process: a module whose first import failed half-way can import on a second try
+    # (LongcatFlashNgramForCausalLM on 0.26 without llguidance), and one answer per process keeps diagnose,
+    # the registry table and the patch in agreement.
     registry = model_registry()
     if arch not in registry.get_supported_archs():
-        raise ValueError(f"architecture {arch!r} is not in vLLM {vllm_version()}'s model registry")
+        return None, f"architecture {arch!r} is not in vLLM {vllm_version()}'s model registry"
     try:
         with contextlib.redirect_stdout(sys.stderr):
             cls = registry._try_load_model_cls(arch)
     except Exception as exc:  # any import error of a model module means "cannot load here"
-        raise ValueError(f"architecture {arch!r}: vLLM {vllm_version()} cannot load its class ({exc})") from exc
+        return None, f"architecture {arch!r}: vLLM {vllm_version()} cannot load its class ({exc})"
     if cls is None:
-        raise ValueError(f"architecture {arch!r}: vLLM {vllm_version()} lists it but its class failed to import "
-                         f"here: {_import_error(registry, arch)}")
-    return cls
+        return None, (f"architecture {arch!r}: vLLM {vllm_version()} lists it but its class failed to import "
+                      f"here: {_import_error(registry, arch)}")
+    return cls, ""
 
 
 def _import_error(registry: Any, arch: str) -> str:

@@ -244,7 +244,13 @@ def test_plugin_env(monkeypatch):
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     env = plugin.plugin_env(True, False, True)
     assert set(env) == {plugin.ENV_VAR}
-    assert plugin.parse_plugin_env(env[plugin.ENV_VAR]) == {"apply": True, "force": False, "legacy_simulation": True}
+    # parsed, the list of architectures is always there (empty: the DeepSeek/Kimi path)
+    assert plugin.parse_plugin_env(env[plugin.ENV_VAR]) == {
+        "apply": True, "force": False, "legacy_simulation": True, "architectures": []}
+    glm = plugin.plugin_env(True, architectures=["Glm4MoeForCausalLM"])[plugin.ENV_VAR]
+    assert plugin.parse_plugin_env(glm)["architectures"] == ["Glm4MoeForCausalLM"]
+    with pytest.raises(ValueError, match="architectures must be a list"):
+        plugin.parse_plugin_env('{"apply": true, "architectures": "Glm4MoeForCausalLM"}')
     monkeypatch.setenv("VLLM_PLUGINS", "other")
     assert plugin.plugin_env(True)["VLLM_PLUGINS"] == "other,eagle3lab"
     monkeypatch.setenv("VLLM_PLUGINS", "eagle3lab,other")
