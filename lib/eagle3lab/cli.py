@@ -59,9 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--drafter-config", help="a drafter config.json (for its aux layer ids)")
     d.add_argument("--json", action="store_true", help="machine-readable output")
 
-    lint = sub.add_parser("lint-drafter", help="lint an EAGLE-3 drafter config against its target")
+    lint = sub.add_parser("lint-drafter", help="lint an EAGLE-3 drafter config against its target (any family)")
     lint.add_argument("drafter_config")
-    lint.add_argument("--target", required=True, help="the target's config.json or folder")
+    lint.add_argument("--target", required=True,
+                      help="the target's config.json or folder (a multimodal wrapper's text_config is what is read)")
     lint.add_argument("--json", action="store_true")
 
     pt = sub.add_parser("patch", help="apply the in-process patch in this process and show the interface matrix")

@@ -1,5 +1,11 @@
 """Lint an EAGLE-3 drafter's config (and weights' shapes, when present) against its target and the installed vLLM.
 
+The target may be of any family: its layer count, hidden size and vocabulary are read from its text config as
+vLLM reads them (``hf_text_config``: the ``text_config`` of a multimodal wrapper such as Kimi-K2.5, Kimi-VL or
+Gemma-3, else the top level), with transformers' config class supplying what config.json leaves out (Gemma-3's
+config.json carries no ``vocab_size``: vLLM gets transformers' default). DeepSeek-only rules (the router bias)
+are applied only to targets whose text stack the installed vLLM serves with ``deepseek_v2.py``.
+
 Most drafter mistakes do not crash: aux ids one layer early (the SGLang convention read by vLLM),
 ids under ``eagle_config`` that a runner never reads, a draft vocabulary without its ``d2t`` map.
 They show up as low acceptance. This module finds them from the config files alone; what the
@@ -26,7 +32,7 @@ from eagle3lab.aux_layers import (
     sglang_to_vllm,
 )
 from eagle3lab.diagnose.aux_ids import drafter_aux_ids
-from eagle3lab.diagnose.target_info import read_json_config, target_info
+from eagle3lab.diagnose.target_info import read_json_config, target_info, text_config_of
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -222,6 +228,140 @@ def _find(shapes: dict[str, list[int]], suffix: str) -> tuple[str, list[int]] | 
 
 
 # --------------------------------------------------------------------------------------------------
+# The target's text stack, whatever its family
+# --------------------------------------------------------------------------------------------------
+
+TARGET_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size")
+
+
+@dataclass
+class TargetFields:
+    """What the lint needs from a target: its text stack's layer count, width and vocabulary, and their origin."""
+
+    architecture: str
+    config_path: str
+    model_type: str | None
+    text_model_type: str | None
+    text_config_key: str | None  # "text_config" (or language_config / llm_config) for a wrapper, None: top level
+    num_hidden_layers: int | None
+    hidden_size: int | None
+    vocab_size: int | None
+    from_transformers: list[str] = field(default_factory=list)  # fields config.json lacks, from transformers
+
+    def describe(self) -> str:
+        """One sentence: the target, where its text config is, and the three values."""
+        where = f"its {self.text_config_key}" if self.text_config_key else "the top level"
+        vals = ", ".join(f"{f} {getattr(self, f)}" for f in TARGET_FIELDS)
+        s = f"target {self.architecture}: text config at {where} (model_type {self.text_model_type}): {vals}"
+        if self.from_transformers:
+            s += (f" ({', '.join(self.from_transformers)} not in config.json: transformers' {self.text_model_type} "
+                  "config gives it, as vLLM loads it)")
+        return s
+
+
+def _transformers_text_config(cfg: dict[str, Any], text: dict[str, Any]) -> Any | None:
+    """transformers' text config for this config.json (defaults and attribute aliases applied), or None."""
+    try:
+        from transformers import CONFIG_MAPPING
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return None
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        # The whole config first (a wrapper's class builds its text sub-config), then the text config alone
+        # (a wrapper transformers does not know, such as Kimi-K2.5, around one it knows).
+        for conf, mt in ((cfg, cfg.get("model_type")), (text, text.get("model_type"))):
+            if not mt or mt not in CONFIG_MAPPING:
+                continue
+            try:
+                built = CONFIG_MAPPING[mt](**{k: v for k, v in conf.items() if k != "model_type"})
+                return built.get_text_config() if hasattr(built, "get_text_config") else built
+            except Exception:  # noqa: BLE001, S112 - a config transformers cannot build: try the next, else None
+                continue
+        return None
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def target_fields(target_config: str | Path) -> TargetFields:
+    """The target's text-stack fields, as vLLM reads them (``hf_text_config``), for any family.
+
+    config.json's values come first (its text config's, as :func:`target_info` reads them); a field it lacks,
+    or names otherwise (GPT-2's ``n_layer``), comes from transformers' config class for its model_type.
+    """
+    tinfo = target_info(Path(target_config))
+    cfg, _ = read_json_config(tinfo.config_path or target_config)
+    text = text_config_of(cfg)
+    key = next((k for k, v in cfg.items() if v is text), None)
+    values = {f: getattr(tinfo, f) for f in TARGET_FIELDS}
+    missing = [f for f, v in values.items() if v is None]
+    filled = []
+    if missing:
+        built = _transformers_text_config(cfg, text)
+        for f in missing:
+            v = getattr(built, f, None) if built is not None else None
+            if isinstance(v, int) and not isinstance(v, bool):
+                values[f] = v
+                filled.append(f)
+    return TargetFields(
+        architecture=tinfo.architecture, config_path=str(tinfo.config_path), model_type=tinfo.model_type,
+        text_model_type=tinfo.text_model_type, text_config_key=key,
+        num_hidden_layers=_int_or_none(values["num_hidden_layers"]), hidden_size=_int_or_none(values["hidden_size"]),
+        vocab_size=_int_or_none(values["vocab_size"]), from_transformers=filled,
+    )
+
+
+def _int_or_none(v: Any) -> int | None:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def installed_model_modules() -> dict[str, str] | None:
+    """Architecture -> module name (``deepseek_v2``, ``glm4_moe``...) of the installed vLLM's text and multimodal models."""
+    src = _read("model_executor/models/registry.py")
+    if src is None:
+        return None
+    out: dict[str, str] = {}
+    for node in ast.walk(ast.parse(src)):
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id in ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
+                    for t in node.targets)
+            and isinstance(node.value, ast.Dict)
+        ):
+            for k, v in zip(node.value.keys, node.value.values, strict=False):
+                if (isinstance(k, ast.Constant) and isinstance(v, ast.Tuple) and v.elts
+                        and isinstance(v.elts[0], ast.Constant)):
+                    out[str(k.value)] = str(v.elts[0].value)
+    return out
+
+
+def text_stack_modules(target: TargetFields, cfg: dict[str, Any]) -> list[str]:
+    """The installed vLLM's modules that build this target's text stack (empty: cannot tell).
+
+    The architecture's own module, the text config's architectures', the architectures the wrapper's module
+    builds its language model as (``architectures=["DeepseekV2ForCausalLM"]`` in ``kimi_k25.py``), and the
+    causal-LM class transformers names for the text model_type.
+    """
+    modules = installed_model_modules()
+    if not modules:
+        return []
+    archs = [target.architecture, *(text_config_of(cfg).get("architectures") or [])]
+    own = modules.get(target.architecture)
+    if own:
+        src = _read(f"model_executor/models/{own}.py") or ""
+        archs += re.findall(r"architectures\s*=\s*\[\s*[\"']([A-Za-z0-9_]+)[\"']", src)
+    if target.text_model_type:
+        try:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
+        except ImportError:
+            causal = {}
+        name = causal.get(target.text_model_type)
+        archs += [name] if isinstance(name, str) else list(name or [])
+    return list(dict.fromkeys(modules[a] for a in archs if a in modules))
+
+
+# --------------------------------------------------------------------------------------------------
 # The lint
 # --------------------------------------------------------------------------------------------------
 
@@ -232,12 +372,24 @@ _SGLANG_TOOLS = ("specforge", "torchspec", "sglang")
 def lint_drafter(drafter_config: str | Path, target_config: str | Path) -> LintReport:
     """Lint a drafter config (file or folder) against the target's config (file or folder)."""
     dcfg, dpath = read_json_config(drafter_config)
-    tinfo = target_info(Path(target_config))
-    L, H_t, V_t = tinfo.num_hidden_layers, tinfo.hidden_size, tinfo.vocab_size
+    target = target_fields(Path(target_config))
+    L, H_t, V_t = target.num_hidden_layers, target.hidden_size, target.vocab_size
     layer_cfg = dcfg.get("transformer_layer_config") or {}
     ids, where = drafter_aux_ids(dcfg)
-    report = LintReport(str(dpath), str(tinfo.config_path), vllm_compat.vllm_version() or None, ids)
+    report = LintReport(str(dpath), target.config_path, vllm_compat.vllm_version() or None, ids)
     shapes = safetensors_shapes(dpath.parent)
+
+    report.add("info", "TARGET", target.describe())
+    unknown = [f for f in TARGET_FIELDS if getattr(target, f) is None]
+    if unknown:
+        skipped = {"num_hidden_layers": "the aux ids' range", "hidden_size": "the hidden sizes",
+                   "vocab_size": "the vocabularies"}
+        report.add(
+            "warning",
+            "TARGET_UNKNOWN",
+            f"the target's text config gives no {', '.join(unknown)} (nor does transformers for model_type "
+            f"{target.text_model_type!r}): {', '.join(skipped[f] for f in unknown)} not checked",
+        )
 
     report.add(
         "info",
@@ -357,7 +509,7 @@ def lint_drafter(drafter_config: str | Path, target_config: str | Path) -> LintR
     # -- does this vLLM accept the drafter? ------------------------------------------------------------
     _lint_architecture(report, dcfg, layer_cfg)
     # -- will the installed vLLM serve them (rules read from vLLM: servable) ------------------------------
-    _add_servable(report, dcfg, Path(target_config))
+    _add_servable(report, dcfg, Path(target_config), target)
     return report
 
 
@@ -408,14 +560,29 @@ def format_lint(r: LintReport) -> str:
     return "\n".join(lines)
 
 
-def _add_servable(report: LintReport, dcfg: dict[str, Any], target: Path) -> None:
-    """The drafter's head_dim and the target's MLA dims / router keys against the installed vLLM."""
+def _add_servable(report: LintReport, dcfg: dict[str, Any], target: Path, fields: TargetFields) -> None:
+    """The drafter's head_dim and the target's MLA dims / router keys against the installed vLLM.
+
+    The router rule is ``deepseek_v2.py``'s (the bias exists only for ``topk_method: noaux_tc``): it is applied
+    where that module builds the target's text stack, or where the stack's module cannot be told; GLM-4-MoE's
+    module, for one, always creates the bias, so the rule would refuse a sound GLM checkpoint.
+    """
     from eagle3lab import servable
 
     if not vllm_compat.vllm_version():
         return
     try:
-        found = servable.check_drafter_config(dcfg) + servable.check_target(target)
+        cfg, folder = servable.read_config(target)
+        found = servable.check_drafter_config(dcfg)
+        mla = servable.check_mla(cfg)
+        found += [mla] if mla is not None else []
+        modules = text_stack_modules(fields, cfg)
+        if "deepseek_v2" in modules or not modules:
+            router = servable.check_router(cfg, folder)
+            found += [router] if router is not None else []
+        elif text_config_of(cfg).get("n_routed_experts"):
+            report.add("info", "ROUTER_BIAS", f"the router-bias rule is DeepSeek-V2's (deepseek_v2.py); this "
+                       f"target's text stack is built by {', '.join(m + '.py' for m in modules)}: not applied")
     except Exception as exc:  # noqa: BLE001 - a vLLM without these modules: say so, do not fail the lint
         report.add("info", "SERVABLE_UNKNOWN", f"could not check servability on this vLLM: {type(exc).__name__}: {exc}")
         return

@@ -249,3 +249,129 @@ def test_d2t_length_and_lm_head_rows_must_be_the_draft_vocab(tmp_path):
     r = lint_drafter(_drafter(tmp_path, {**SMALL, "lm_head.weight": [12, 8]}, **cfg), t)
     assert [f.message for f in r.findings if f.code == "VOCAB_SIZE" and f.severity == "error"] == [
         "lm_head.weight has 12 rows, draft_vocab_size is 10"], format_lint(r)
+
+
+# --------------------------------------------------------------------------------------------------
+# Targets of other families: the text stack's fields wherever the family keeps them
+# --------------------------------------------------------------------------------------------------
+
+# config.json excerpts of published checkpoints (the fields the lint and transformers' config classes read).
+GLM4_MOE = {  # GLM-4.5-Air: grouped-query attention, a routed MoE with a router bias, one MTP layer
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 4096, "num_hidden_layers": 46,
+    "vocab_size": 151552, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+    "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+    "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5,
+}
+MIXTRAL = {  # Mixtral-8x7B
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32,
+    "vocab_size": 32000, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
+GEMMA3 = {  # Gemma-3-27B-it: a multimodal wrapper; its text_config carries no vocab_size (transformers' default)
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 256,
+    "text_config": {"model_type": "gemma3_text", "hidden_size": 5376, "num_hidden_layers": 62,
+                    "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "sliding_window": 1024},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "num_hidden_layers": 27,
+                      "image_size": 896, "patch_size": 14},
+}
+FAMILIES = {"glm4_moe": (GLM4_MOE, 46, 4096, 151552), "mixtral": (MIXTRAL, 32, 4096, 32000),
+            "gemma3": (GEMMA3, 62, 5376, 262208)}
+
+
+def _family_target(tmp_path, cfg, tensors=None):
+    d = tmp_path / "target"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        _write_safetensors(d / "model.safetensors", tensors)
+    return d
+
+
+def _family_drafter(tmp_path, layers, hidden, vocab, **over):
+    """A clean speculators drafter for a target of ``layers`` x ``hidden`` and vocabulary ``vocab``."""
+    from eagle3lab.aux_layers import default_aux_layer_ids
+
+    cfg = dict(
+        transformer_layer_config={"model_type": "llama", "hidden_size": hidden, "num_hidden_layers": 1,
+                                  "num_attention_heads": hidden // 128, "head_dim": 128, "vocab_size": vocab},
+        target_hidden_size=hidden, draft_vocab_size=min(32000, vocab),
+        eagle_aux_hidden_state_layer_ids=default_aux_layer_ids(layers),
+    )
+    return _drafter(tmp_path, **{**cfg, **over})
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_families_fields(tmp_path, family):
+    from eagle3lab.lint import target_fields
+
+    cfg, layers, hidden, vocab = FAMILIES[family]
+    t = target_fields(_family_target(tmp_path, cfg))
+    assert (t.num_hidden_layers, t.hidden_size, t.vocab_size) == (layers, hidden, vocab)
+    assert t.text_config_key == ("text_config" if family == "gemma3" else None)
+    assert t.from_transformers == (["vocab_size"] if family == "gemma3" else [])
+
+
+def test_fields_under_other_names_come_from_transformers(tmp_path):
+    """GPT-2 names its fields n_layer / n_embd: transformers' attribute map gives them, as vLLM reads them."""
+    from eagle3lab.lint import target_fields
+
+    cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 12, "n_embd": 768,
+           "vocab_size": 50257}
+    t = target_fields(_family_target(tmp_path, cfg))
+    assert (t.num_hidden_layers, t.hidden_size, t.vocab_size) == (12, 768, 50257)
+    assert t.from_transformers == ["num_hidden_layers", "hidden_size"]
+
+
+def test_unknown_fields_are_said(tmp_path):
+    cfg = {"architectures": ["SomeRemoteCodeForCausalLM"], "model_type": "not_in_transformers", "hidden_size": 64}
+    r = lint_drafter(_family_drafter(tmp_path, 6, 64, 1000), _family_target(tmp_path, cfg))
+    f = next(f for f in r.findings if f.code == "TARGET_UNKNOWN")
+    assert f.severity == "warning" and "num_hidden_layers, vocab_size" in f.message, format_lint(r)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_families_clean_drafter(tmp_path, family):
+    cfg, layers, hidden, vocab = FAMILIES[family]
+    r = lint_drafter(_family_drafter(tmp_path, layers, hidden, vocab), _family_target(tmp_path, cfg))
+    assert not r.has_errors, format_lint(r)
+    assert not _codes(r, "warning") - {"DRAFTER_HEAD_DIM"}, format_lint(r)
+    target = next(f.message for f in r.findings if f.code == "TARGET")
+    assert cfg["architectures"][0] in target and f"num_hidden_layers {layers}" in target
+    # the top id the target has (its final pre-norm state) is in range; one more is not
+    r = lint_drafter(_family_drafter(tmp_path, layers, hidden, vocab, eagle_aux_hidden_state_layer_ids=[2, 10, layers]),
+                     _family_target(tmp_path, cfg))
+    assert not r.has_errors, format_lint(r)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(
+    ("mistake", "code"),
+    [("hidden", "HIDDEN_SIZE"), ("aux", "AUX_RANGE"), ("vocab", "VOCAB_SIZE")],
+)
+def test_other_families_wrong_drafter(tmp_path, family, mistake, code):
+    cfg, layers, hidden, vocab = FAMILIES[family]
+    over = {
+        "hidden": {"target_hidden_size": hidden + 1024},
+        "aux": {"eagle_aux_hidden_state_layer_ids": [2, layers // 2, layers + 1]},
+        # Gemma-3's tokenizer has 262144 tokens, its embedding 262208 rows (transformers' default): vLLM uses the latter
+        "vocab": {"vocab_size": 262144 if family == "gemma3" else vocab + 1},
+    }[mistake]
+    r = lint_drafter(_family_drafter(tmp_path, layers, hidden, vocab, **over), _family_target(tmp_path, cfg))
+    assert _codes(r, "error") == {code}, format_lint(r)
+    msg = next(f.message for f in r.findings if f.code == code)
+    assert str({"hidden": hidden, "aux": layers, "vocab": vocab}[mistake]) in msg
+
+
+def test_router_rule_only_for_deepseek_v2_stacks(tmp_path):
+    """GLM-4-MoE checkpoints carry the router bias without topk_method (vLLM's glm4_moe.py always creates it):
+    DeepSeek-V2's rule must not refuse them, and must still refuse a DeepSeek-V3 stack (Kimi-K2.5's) without it."""
+    bias = {"model.layers.1.mlp.gate.e_score_correction_bias": [128], "model.layers.1.mlp.gate.weight": [128, 8]}
+    r = lint_drafter(_family_drafter(tmp_path, 46, 4096, 151552), _family_target(tmp_path, GLM4_MOE, bias))
+    assert not r.has_errors, format_lint(r)
+    f = next(f for f in r.findings if f.code == "ROUTER_BIAS")
+    assert f.severity == "info" and "glm4_moe.py" in f.message
+    kimi = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+            "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": L, "hidden_size": H, "vocab_size": V,
+                            "n_routed_experts": 128}}
+    r = lint_drafter(_drafter(tmp_path), _family_target(tmp_path, kimi, bias))
+    assert "ROUTER_BIAS" in _codes(r, "error"), format_lint(r)
