@@ -228,3 +228,28 @@ def test_registry_table_matches_supports_eagle3():
     assert counts.native + counts.patchable + counts.not_patchable + counts.not_loadable == len(rows)
     grouped = dg.reason_counts(list(rows.values()))
     assert sum(g["architectures"] for g in grouped) == counts.not_patchable + counts.not_loadable
+    errors = dg.registry.import_error_counts(list(rows.values()))
+    assert sum(g["architectures"] for g in errors) == counts.not_loadable
+
+
+def test_import_error_counts_group_not_loadable_rows():
+    from eagle3lab.diagnose.registry import NOT_LOADABLE, RegistryRow, import_error_counts
+
+    def row(arch, status, reason):
+        return RegistryRow(arch, "multimodal", "m", arch, status, reason)
+
+    tv = "ModuleNotFoundError: No module named 'torchvision'"
+    rows = [
+        *(row(f"Vision{i}ForConditionalGeneration", NOT_LOADABLE, f"architecture 'Vision{i}': vLLM 0.26.0 lists it but "
+              f"its class failed to import here: importing vllm.model_executor.models.v{i}.V{i} raised {tv}")
+          for i in range(5)),
+        row("Odd", NOT_LOADABLE, "architecture 'Odd': vLLM 0.26.0 cannot load its class (RuntimeError: no kernel)"),
+        row("Half", NOT_LOADABLE, "architecture 'Half': vLLM 0.26.0 lists it but its class failed to import here: "
+            "unknown (the class imports)"),
+        row("LlamaForCausalLM", "native", "LlamaForCausalLM supports EAGLE-3 as installed"),
+    ]
+    got = import_error_counts(rows)
+    assert [(g["import error"], g["architectures"]) for g in got] == [
+        (tv, 5), ("RuntimeError: no kernel", 1), ("unknown (the class imports)", 1)]
+    assert got[0]["examples"].endswith(" ...") and got[0]["examples"].count(",") == 3
+    assert sum(g["architectures"] for g in got) == dg.registry_counts(rows)[-1].not_loadable

@@ -9,9 +9,12 @@ reported with the import error.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import logging
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -70,12 +73,28 @@ def registry_row(arch: str, kind: str) -> RegistryRow:
     return RegistryRow(arch, kind, module, cname, status, plan.reason, " -> ".join(plan.levels))
 
 
+@contextlib.contextmanager
+def _registry_log_quiet() -> Iterator[None]:
+    """Loading every model logs noise: vLLM's registry logs each failed import with its traceback (the row names
+    the error instead), and transformers warns about image processors it falls back from."""
+    logs = [logging.getLogger(name) for name in ("vllm.model_executor.models.registry", "transformers")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)
+
+
 def registry_table(show_progress: bool = False) -> list[RegistryRow]:
     """Every text-generation and multimodal architecture of the installed vLLM, one :class:`RegistryRow` each."""
     archs = vllm_compat.registry_architectures()
     if show_progress:
         archs = progress(archs, desc="registry")
-    return [registry_row(arch, kind) for arch, kind in archs]
+    with _registry_log_quiet():
+        return [registry_row(arch, kind) for arch, kind in archs]
 
 
 def registry_status(row: RegistryRow) -> str:
@@ -137,6 +156,29 @@ def reason_counts(rows: list[RegistryRow]) -> list[dict[str, Any]]:
         if r.status in ("not patchable", NOT_LOADABLE):
             groups.setdefault(reason_group(r), []).append(r.architecture)
     return [{"cause": k, "architectures": len(v), "examples": ", ".join(v[:4]) + (" ..." if len(v) > 4 else "")}
+            for k, v in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
+
+
+def _import_error_of(row: RegistryRow) -> str:
+    """The import error a not-loadable row names (``ModuleNotFoundError: No module named 'torchvision'``)."""
+    for pattern in (r" raised (.+)$", r"cannot load its class \((.+)\)$", r"failed to import here: (.+)$"):
+        m = re.search(pattern, row.reason, re.DOTALL)
+        if m:
+            return m.group(1).strip()
+    return row.reason
+
+
+def import_error_counts(rows: list[RegistryRow]) -> list[dict[str, Any]]:
+    """The rows not loadable here, grouped by the import error that stopped them (most frequent first).
+
+    On a CPU build most are one missing optional package (multimodal models import ``torchvision``): the
+    error is the host's, not the model's, and the same rows get a status of their own where it imports.
+    """
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        if r.status == NOT_LOADABLE:
+            groups.setdefault(_import_error_of(r), []).append(r.architecture)
+    return [{"import error": k, "architectures": len(v), "examples": ", ".join(v[:4]) + (" ..." if len(v) > 4 else "")}
             for k, v in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
 
 
