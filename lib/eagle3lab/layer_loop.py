@@ -102,6 +102,12 @@ def _layer_calls(body: list[ast.stmt], layer: str) -> list[ast.stmt]:
     return found
 
 
+def _first_line(stmt: ast.stmt) -> str:
+    """A statement as source on one line (a refusal's reason is one line): its first line, `...` for the rest."""
+    lines = ast.unparse(stmt).strip().splitlines()
+    return lines[0] + (" ..." if len(lines) > 1 else "")
+
+
 def _function(source: str) -> ast.FunctionDef:
     tree = ast.parse(textwrap.dedent(source))
     if not tree.body or not isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -168,16 +174,17 @@ def analyse_forward(source: str) -> LayerLoop:
     if not (isinstance(call, ast.Assign) and len(call.targets) == 1 and isinstance(call.value, ast.Call)
             and isinstance(call.value.func, ast.Name) and call.value.func.id == layer):
         return LayerLoop(ok=False, line=loop.lineno, form=form,
-                         reason=f"its layer call `{ast.unparse(call).strip()}` is not `hidden[, residual] = "
-                                f"{layer}(...)`")
+                         reason=f"its layer call `{_first_line(call)}` is not `hidden[, residual] = {layer}(...)`")
     target = call.targets[0]
     names = [target] if isinstance(target, ast.Name) else list(getattr(target, "elts", []))
     if not names or len(names) > 2 or not all(isinstance(n, ast.Name) for n in names):
         return LayerLoop(ok=False, line=loop.lineno, form=form,
                          reason=f"its layer call assigns `{ast.unparse(target)}`, not (hidden_states[, residual])")
     hidden = names[0].id  # type: ignore[union-attr]
-    residual = names[1].id if len(names) == 2 else None  # type: ignore[union-attr]
     used = {n.id for n in ast.walk(call.value) if isinstance(n, ast.Name)}
+    # A second output is the residual only when the loop feeds it back into the next layer; one it discards
+    # (`hidden_states, _ = layer(...)`: SigLIP, Gemma-4 DSpark) is not part of the next layer's input.
+    residual = names[1].id if len(names) == 2 and names[1].id in used else None  # type: ignore[union-attr]
     if hidden not in used:
         return LayerLoop(ok=False, line=loop.lineno, form=form,
                          reason=f"its layer call does not pass `{hidden}` back in; not a residual-stream loop")
