@@ -1,0 +1,212 @@
+"""The generic layer-loop rewrite (eagle3lab.layer_loop, through the patch's plan) on the installed vLLM's own
+model classes (run in both venvs: 0.26.0 and 0.17.0).
+
+For each architecture that ``plan_for`` calls patchable with a rewritten forward, the real forward source is
+analysed (form and residual as expected), rewritten and compiled by the patch's own path, then run on a fake
+``self`` with stub layers: aux id k must be the stream at the input of global layer k (each stub records what
+it receives), id == number of layers the state the final norm receives, the output equal to the release's
+own forward's, and pipeline ranks handled (a later rank's global ids; an earlier rank's hand-off unchanged).
+Refused architectures are checked by their one-line reason. A case that one release lacks (or supports
+natively) is skipped there with the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="tests/vllm need an installed vLLM (0.26.0 in .venv, 0.17.0 in .venvs)")
+torch = pytest.importorskip("torch")
+
+from eagle3lab import layer_loop, patch, vllm_compat  # noqa: E402
+from eagle3lab.diagnose.levels import level_chain  # noqa: E402
+from eagle3lab.diagnose.plan import plan_for  # noqa: E402
+
+ISLICE = "islice(self.layers, self.start_layer, self.end_layer)"
+N, DIM = 5, 8
+DT = torch.float64
+
+# architecture: (the loop's iterable as analysed, the residual variable, the stub layer the forward drives)
+PATCHABLE = {
+    "Glm4MoeForCausalLM": (ISLICE, "residual", "fused"),
+    "MixtralForCausalLM": (ISLICE, "residual", "fused"),
+    "Qwen2MoeForCausalLM": (ISLICE, "residual", "fused"),
+    "Gemma3ForCausalLM": (ISLICE, "residual", "fused"),
+    "HYV3ForCausalLM": (f"enumerate({ISLICE})", "residual", "fused"),  # 0.26
+    "MiniMaxM2ForCausalLM": ("self.layers[self.start_layer:self.end_layer]", "residual", "fused"),  # 0.17
+    "GraniteForCausalLM": (ISLICE, None, "plain"),
+    "Olmo3ForCausalLM": (ISLICE, None, "plain"),
+    "ArcticForCausalLM": (ISLICE, None, "plain"),
+    # its layers return (stream, a mid-layer residual) that the loop binds to `residual` but never feeds back
+    "StableLmForCausalLM": (ISLICE, None, "pair"),
+}
+
+_INDEX = ("its forward indexes self.layers[...] inside `for ... in range(self.start_layer, self.end_layer)` "
+          "instead of iterating the layers; only loops over self.layers (whole, sliced, islice, enumerate) are "
+          "rewritten")
+REFUSED = {
+    "Step3p5ForCausalLM": ("Step3p5Model", _INDEX),
+    "SolarForCausalLM": ("SolarModel", _INDEX),
+    "OuroForCausalLM": ("OuroModel", "its layer loop runs inside another loop (over `range(self.total_ut_steps)`): "
+                        "the layers run several times per forward, so a layer id names no single point of the "
+                        "residual stream"),
+    "DeciLMForCausalLM": ("DeciModel", "its layer call `if not layer._is_no_op_attention: ...` is not "
+                          "`hidden[, residual] = layer(...)`"),
+}
+
+
+def _load(arch: str) -> type:
+    if arch not in vllm_compat.model_registry().get_supported_archs():
+        pytest.skip(f"{arch} is not in vLLM {vllm_compat.vllm_version()}'s registry")
+    try:
+        return vllm_compat.load_model_class(arch)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
+def _plan(arch: str):
+    """The plan for ``arch`` and the class whose forward it rewrites (found as the patch finds it)."""
+    cls = _load(arch)
+    p = plan_for(cls)
+    if p.verdict == "native":
+        pytest.skip(f"{arch} supports EAGLE-3 natively on vLLM {vllm_compat.vllm_version()}")
+    by_name = {k.__name__: k for lv in level_chain(cls, []) for k in patch._level_class(lv).__mro__}
+    return p, by_name.get(p.forward_owner)
+
+
+# ---- stubs: the layers record the stream they receive, by global id --------------------------------------
+
+
+class _Fused:
+    """vLLM's fused add-norm layer: stream = hidden + residual in, (delta, stream) out."""
+
+    def __init__(self, k: int, seen: dict) -> None:
+        self.k, self.seen, self.w = k, seen, 0.4 + 0.1 * k
+
+    def __call__(self, positions, hidden_states, residual, **kwargs):
+        stream = hidden_states if residual is None else hidden_states + residual
+        self.seen[self.k] = stream.clone()
+        return torch.tanh(stream * self.w), stream
+
+
+class _Plain(_Fused):
+    def __call__(self, positions, hidden_states, **kwargs):
+        self.seen[self.k] = hidden_states.clone()
+        return hidden_states + torch.tanh(hidden_states * self.w)
+
+
+class _Pair(_Plain):
+    """StableLM's layer: returns (stream, the residual it held half-way)."""
+
+    def __call__(self, positions, hidden_states, **kwargs):
+        out = super().__call__(positions, hidden_states)
+        return out, 0.5 * (hidden_states + out)
+
+
+class _Missing:
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("a layer of another pipeline rank ran")
+
+
+_STUBS = {"fused": _Fused, "plain": _Plain, "pair": _Pair}
+
+
+def _fake(kind: str, start: int, end: int, aux=()) -> SimpleNamespace:
+    seen: dict[int, torch.Tensor] = {}
+    emb = torch.randn(32, DIM, generator=torch.Generator().manual_seed(0), dtype=DT)
+
+    def norm(hidden_states, residual=None):
+        stream = hidden_states if residual is None else hidden_states + residual
+        seen[N] = stream.clone()
+        return stream * 2.0 if residual is None else (stream * 2.0, stream)
+
+    return SimpleNamespace(
+        seen=seen,
+        layers=[_STUBS[kind](k, seen) if start <= k < end else _Missing() for k in range(N)],
+        start_layer=start, end_layer=end, aux_hidden_state_layers=tuple(aux),
+        embed_input_ids=lambda ids: emb[ids], embed_tokens=lambda ids: emb[ids],
+        config=SimpleNamespace(embedding_multiplier=1.5), norm=norm,
+    )
+
+
+def _flat(x) -> list:
+    if hasattr(x, "tensors"):  # IntermediateTensors
+        return [x.tensors[k] for k in sorted(x.tensors)]
+    return [x]
+
+
+# ---- the tests -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", list(PATCHABLE))
+def test_real_forward_is_analysed_and_compiles(arch):
+    p, owner = _plan(arch)
+    form, residual, _ = PATCHABLE[arch]
+    assert p.verdict == "patchable" and p.forward == "rewrite", p.reason
+    assert f"`for ... in {form}`" in p.reason and "\n" not in p.reason
+    src = inspect.getsource(inspect.unwrap(owner.__dict__["forward"]))
+    loop = layer_loop.analyse_forward(src)
+    assert loop == p.loop
+    assert loop.ok and not loop.collects_aux and loop.form == form and loop.hidden == "hidden_states"
+    assert loop.residual == residual and loop.start == ("0" if form == "self.layers" else "self.start_layer")
+    compile(layer_loop.rewrite_forward(src), f"<{arch}>", "exec")
+    fwd = patch._rewritten_forward(owner, p)
+    assert fwd.__eagle3lab__ and inspect.signature(fwd) == inspect.signature(owner.__dict__["forward"])
+
+
+@pytest.mark.parametrize("rank", ["only", "last", "first"])
+@pytest.mark.parametrize("arch", list(PATCHABLE))
+def test_real_forward_collects_layer_inputs(arch, rank, monkeypatch):
+    p, owner = _plan(arch)
+    mod = sys.modules[owner.__module__]
+    for name, helper in ((layer_loop.OUT_HELPER, layer_loop.aux_out), (layer_loop.STATE_HELPER, layer_loop.aux_state)):
+        monkeypatch.setattr(mod, name, helper, raising=False)  # what the patch installs in the module
+    first, last = rank in ("only", "first"), rank in ("only", "last")
+    monkeypatch.setattr(mod, "get_pp_group", lambda: SimpleNamespace(is_first_rank=first, is_last_rank=last))
+    native, ours = inspect.unwrap(owner.__dict__["forward"]), patch._rewritten_forward(owner, p)
+    _, residual, kind = PATCHABLE[arch]
+    start, end = {"only": (0, N), "last": (2, N), "first": (0, 3)}[rank]
+    ids, pos = torch.tensor([3, 1, 4, 1, 5]), torch.arange(5)
+    inter = None
+    if not first:
+        g = torch.Generator().manual_seed(1)
+        t = {"hidden_states": torch.randn(5, DIM, generator=g, dtype=DT)}
+        if residual is not None:
+            t["residual"] = torch.randn(5, DIM, generator=g, dtype=DT)
+        inter = mod.IntermediateTensors(t)
+
+    def run(fn, aux=()):
+        m = _fake(kind, start, end, aux)
+        return fn(m, ids, pos, inter), m.seen
+
+    want, _ = run(native)
+    plain, _ = run(ours)  # no ids asked: exactly the release's result
+    assert type(plain) is type(want)
+    for a, b in zip(_flat(plain), _flat(want), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    asked = (N, 3, 2, 1, 0)  # unordered, and partly before this rank's layers
+    got, seen = run(ours, asked)
+    if not last:  # an earlier rank hands its tensors on as they are
+        assert type(got) is type(want)
+        for a, b in zip(_flat(got), _flat(want), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        return
+    out, aux = got
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    expected = [k for k in range(start, end + 1) if k in asked]
+    assert sorted(seen) == list(range(start, end + 1))
+    assert len(aux) == len(expected), (arch, rank)
+    for k, a in zip(expected, aux, strict=True):
+        torch.testing.assert_close(a, seen[k], rtol=0, atol=0, msg=lambda m, k=k: f"{arch} id {k}: {m}")
+
+
+@pytest.mark.parametrize("arch", list(REFUSED))
+def test_refused_with_its_reason(arch):
+    p = plan_for(_load(arch))
+    inner, reason = REFUSED[arch]
+    assert p.verdict == "unsupported" and p.inner == inner
+    assert p.reason == f"{inner}.forward: {reason}"
+    assert "\n" not in p.reason and p.loop is not None and not p.loop.ok
