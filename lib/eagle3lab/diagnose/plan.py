@@ -123,6 +123,10 @@ def plan_for(cls: type, text_architectures: list[str] | None = None, levels: lis
     def refuse(reason: str, **kw: Any) -> PatchPlan:
         return PatchPlan(cls.__name__, "unsupported", reason, names, **kw)
 
+    if levels and levels[0].supports_eagle3:
+        # vLLM's own claim decides, whatever its code looks like inside (Ernie4_5ForCausalLM on 0.26 is native
+        # through a parent class although no class of its chain assigns self.layers in its own __init__)
+        return PatchPlan(cls.__name__, "native", f"{names[0]} supports EAGLE-3 as installed", names)
     inner_level = next((lv for lv in levels if lv.runs_layers), None)
     hybrid = _is_hybrid(levels)
     if hybrid is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,13 @@ def _enclosing_function(tree: ast.AST, line: int) -> str | None:
 def find_raise_sites(pkg_dir: Path | None = None) -> list[SourceSite]:
     """Every place in the installed vLLM that raises the EAGLE-3 refusal (full message or its stem)."""
     pkg_dir = pkg_dir or vllm_compat.vllm_package_dir()
+    # Scanned once per process and folder (half a second of parsing; the registry-wide checks diagnose every
+    # architecture), copied so that a caller's edits stay its own.
+    return [replace(s) for s in _raise_sites(Path(pkg_dir))]
+
+
+@functools.lru_cache(maxsize=4)
+def _raise_sites(pkg_dir: Path) -> tuple[SourceSite, ...]:
     sites = []
     for path in _py_files(str(pkg_dir)):
         try:
@@ -72,7 +79,7 @@ def find_raise_sites(pkg_dir: Path | None = None) -> list[SourceSite]:
                 )
             )
     # The full message first: that is the one users see.
-    return sorted(sites, key=lambda s: (not s.exact, s.file, s.line))
+    return tuple(sorted(sites, key=lambda s: (not s.exact, s.file, s.line)))
 
 
 def _constant_text(node: ast.AST) -> str:
