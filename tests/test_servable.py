@@ -41,6 +41,14 @@ def test_router_bias_needs_noaux_tc(tmp_path) -> None:
     assert f.level == "error" and "e_score_correction_bias" in f.message
 
 
+def test_router_rule_is_deepseek_v2_only() -> None:
+    # GLM-4-MoE always creates (and saves) the bias; vLLM's glm4_moe.py creates it unconditionally
+    glm = {**_mla(64, 64, 128), "model_type": "glm4_moe"}
+    del glm["topk_method"]
+    assert servable.check_router(glm) is None
+    assert servable.check_router({**glm, "model_type": "deepseek_v3"}).level == "error"
+
+
 def test_router_check_reads_the_checkpoint_weights(tmp_path) -> None:
     torch = pytest.importorskip("torch")
     from safetensors.torch import save_file

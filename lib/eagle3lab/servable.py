@@ -143,10 +143,14 @@ def _has_weight_suffix(folder: Path, suffix: str) -> bool | None:
     return False
 
 
+DEEPSEEK_V2_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")
+
+
 def check_router(cfg: dict[str, Any], folder: Path | None = None) -> Finding | None:
     """An error when the checkpoint carries a router bias that the installed vLLM will not create."""
     c = text_config_of(cfg)
-    if not c.get("n_routed_experts"):
+    # the rule is deepseek_v2.py's: GLM-4-MoE and others create the bias unconditionally
+    if not c.get("n_routed_experts") or c.get("model_type") not in DEEPSEEK_V2_MODEL_TYPES:
         return None
     src = vllm_compat.read_source("model_executor/models/deepseek_v2.py") or ""
     gated = '"topk_method", None) == "noaux_tc"' in src and "e_score_correction_bias = nn.Parameter" in src
