@@ -6,7 +6,7 @@
 # then runs one step. Everything it writes that matters goes under $OUT.
 #   setup      install wheels + eagle3lab (with its vllm.general_plugins entry point) into /tmp/site2
 #   workbook   eagle3lab run --params params/embedded-gpu.yaml (00-05 with the vLLM engine; WB_UNTIL=03 stops
-#              after 03, the rest stays pending)
+#              after 03, the rest stays pending; WB_PARAMS=params/embedded-glm4-moe-gpu.yaml runs another profile)
 #   resume     eagle3lab run --resume on that run folder (a device call is limited to 10 minutes: a run that
 #              does not fit one call continues in the next, on the same warm machine)
 #   proofs     benchmarks/tools/gpu_engine_proofs.py on that run (suite single)
@@ -20,7 +20,7 @@
 #   extract    benchmarks/tools/gpu_engine_proofs.py --suite extract (hidden-state extraction vs plain prefill; with
 #              EXTRACT_PARAMS=params/embedded-gpu.yaml on a fresh target of that profile's shapes)
 #   served     benchmarks/tools/gpu_engine_proofs.py --suite served
-#   tests      the GPU-marked tests
+#   tests      the GPU-marked tests (TESTS_K: pytest's -k expression)
 #   yardstick  benchmarks/tools/precision_error.py --device cuda on this machine's workbook run (after WB_UNTIL=00 workbook
 #              at least): how far the GPU profile's bf16 target strays from float32, 05's tie yardstick
 #   bg         run BG_STEPS (these steps, in order) in the background, its $OUT /tmp/bgout: a suite longer than one
@@ -84,7 +84,7 @@ setup)
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/machine.txt";;
 workbook)
   rm -rf /tmp/e3out
-  cd /tmp/src && bounded "${WB_TIMEOUT:-560}" python3 -m eagle3lab run --params params/embedded-gpu.yaml \
+  cd /tmp/src && bounded "${WB_TIMEOUT:-560}" python3 -m eagle3lab run --params "${WB_PARAMS:-params/embedded-gpu.yaml}" \
       --outputs /tmp/e3out --no-progress ${WB_UNTIL:+--until $WB_UNTIL} ${WB_ONLY:+--only $WB_ONLY} > "$OUT/workbook.txt" 2>&1
   grep -v "Kernel is running over TCP" "$OUT/workbook.txt" | tail -20
   copy_run; cd "$here";;
@@ -130,7 +130,9 @@ served)
       --prompts 16 --max-tokens 64 > "$OUT/served.txt" 2>&1; tail -30 "$OUT/served.txt"
   cd "$here";;
 tests)
-  cd /tmp/src && timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25 | tee "$OUT/pytest-gpu.txt"
+  # -rP: the passed tests' printed measurements (e.g. AUX_MEASURED) stay in the committed output
+  cd /tmp/src && timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -rP -p no:cacheprovider -m gpu tests ${TESTS_K:+-k "$TESTS_K"} \
+      > "$OUT/pytest-gpu.txt" 2>&1; grep -E "^(AUX|GREEDY|REFUSED)|passed|failed|Error|assert" "$OUT/pytest-gpu.txt" | tail -30
   cd "$here";;
 yardstick)
   run=$(ls -d /tmp/e3out/*/ 2>/dev/null | head -1)
