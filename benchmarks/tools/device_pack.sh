@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Packs what a GPU session carries (.device-stage from ../shared/device/stage-vllm.sh, .device-wheels and
+# Packs what a GPU session carries (.device-stage from benchmarks/tools/stage_vllm.sh, .device-wheels and
 # .device-snap from benchmarks/tools/device_wheels.sh) into .device-pack/chunk-NN, each small enough to travel beside the
 # working tree in one device call (a call carries at most 64 MiB in all). On the device, one call per chunk, each
 # with carry [".device-pack/receive.sh", ".device-pack/chunk-NN"]:

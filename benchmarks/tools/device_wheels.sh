@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares what benchmarks/tools/gpu_session.sh carries to the lent GPU machine, which reaches no package registry:
 #   .device-wheels/  py3.12 manylinux wheels of eagle3lab's dependencies that neither the machine's image nor
-#                    the staged vLLM (../shared/device/stage-vllm.sh, run it first) provides: the notebook stack
+#                    the staged vLLM (benchmarks/tools/stage_vllm.sh, run it first) provides: the notebook stack
 #                    (papermill, nbconvert, ipykernel, plotly, ...) and three packages `vllm serve` 0.26 imports
 #                    that the staging leaves out (model_hosting_container_standards, jmespath, supervisor)
 #   .device-snap/src.tgz  `git archive HEAD`: the device installs a commit, never half-edited files
@@ -9,7 +9,7 @@
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
 for d in /.device-wheels/ /.device-snap/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
-[ -f .device-stage/install.sh ] || { echo "stage vLLM first: bash ../shared/device/stage-vllm.sh"; exit 2; }
+[ -f .device-stage/install.sh ] || { echo "stage vLLM first: bash benchmarks/tools/stage_vllm.sh"; exit 2; }
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for p in manylinux_2_35_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 \
@@ -27,7 +27,7 @@ print("model_hosting_container_standards\njmespath\nsupervisor")
 PY
 python3 -m pip install -q --dry-run --ignore-installed "${plat[@]}" --target "$work/t" --report "$work/report.json" \
   -r "$work/req.txt"
-# the image's packages (../shared/device/stage-vllm.sh lists them, from KINDS.md)
+# the image's packages (benchmarks/tools/stage_vllm.sh lists them, from KINDS.md)
 image="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi charset-normalizer click cloudpickle cmake colorama cuda-bindings cuda-core cuda-pathfinder cuda-toolkit einops filelock frozenlist fsspec grpcio h11 hf-xet httpcore httpx huggingface-hub idna jinja2 markupsafe msgpack multidict networkx ninja numba llvmlite numpy nvidia-ml-py packaging pillow pip prometheus-client propcache protobuf psutil py-cpuinfo pygments pyyaml regex requests rich safetensors sentencepiece setuptools shellingham six sympy mpmath tabulate tiktoken tokenizers torch tqdm transformers triton typer typing-extensions urllib3 uvloop opencv-python-headless yarl zipp pandas pytest python-dateutil pytz tzdata"
 python3 - "$work/report.json" "$work/staged.txt" $image > "$work/need.txt" <<'PY'
 import json, re, sys

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device side of a GPU session (see benchmarks/tools/README.md for the calls that lead here).
-# vLLM 0.26.0 is staged in /tmp/site (../shared/device/stage-vllm.sh); this script installs our notebook stack
+# vLLM 0.26.0 is staged in /tmp/site (benchmarks/tools/stage_vllm.sh); this script installs our notebook stack
 # (carried as py3.12 wheels in .device-wheels/) and eagle3lab itself from a snapshot of a commit
 # (.device-snap/src.tgz: `git archive`, so half-edited files of the working tree never reach the device),
 # then runs one step. Everything it writes that matters goes under $OUT.
