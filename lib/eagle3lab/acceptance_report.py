@@ -19,10 +19,18 @@ from typing import Any
 import plotly.graph_objects as go
 
 from eagle3lab import acceptance as A
+from eagle3lab import divergence as DV
+from eagle3lab import probe as PR
 from eagle3lab import repetition as R
+from eagle3lab import speculate as SP
+from eagle3lab import sweep as SW
 from eagle3lab.acceptance import PromptIntervals, SpecDecodeStats
+from eagle3lab.divergence import first_difference
+from eagle3lab.drafter import load_drafter
 from eagle3lab.engines.factory import make_engine
 from eagle3lab.repetition import RepetitionStats
+from eagle3lab.sweep import ablation_figure
+from eagle3lab.synthetic import humaneval_prompts, read_jsonl, write_jsonl_atomic
 
 RECORDS = A.RECORDS
 TRAIN_TEXT = "training responses (03)"
@@ -52,8 +60,6 @@ def interval_text(iv: A.Interval, digits: int = 3) -> str:
 
 def heldout_prompts(path: Path, num_prompts: int) -> list[list[int]]:
     """The first ``num_prompts`` held-out prompts (token ids) that 03 wrote."""
-    from eagle3lab.synthetic import read_jsonl
-
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no held-out prompts (run 03_engine first)")
     return [r["prompt_ids"] for r in read_jsonl(path)][:num_prompts]
@@ -120,8 +126,6 @@ class EngineDecode:
         Where the outputs part says what kind of mismatch it is: a bf16 near-tie flips one late token and the rest
         follows from it, while a broken drafter path or patch would diverge at the first tokens of most prompts.
         """
-        from eagle3lab.divergence import first_difference
-
         return {i: first_difference(self.greedy[i], self.spec.outputs[i]) for i in self.mismatch}
 
     @property
@@ -276,9 +280,6 @@ def replay_heldout(ref: Any, drafter_path: Path, prompts: Sequence[Sequence[int]
                    max_new_tokens: int, layer_ids: Sequence[int]) -> Replay:
     """Continue every prompt greedily (``max_new_tokens + max(ks)`` tokens, aux states of ``layer_ids``) and
     replay the drafter at every k in ``ks``."""
-    from eagle3lab import speculate as SP
-    from eagle3lab.drafter import load_drafter
-
     drafter = load_drafter(drafter_path, ref.device)
     t0 = time.perf_counter()
     conts = SP.greedy_continuations(ref, prompts, max_new_tokens + max(ks), layer_ids, batch_size=64)
@@ -344,8 +345,6 @@ def divergence_check(model: Any, prompts: Sequence[Sequence[int]], decode: Engin
     import copy
 
     import torch
-
-    from eagle3lab import divergence as DV
 
     if not decode.mismatch:
         return None
@@ -696,8 +695,6 @@ def repetition(train_outputs: Sequence[Sequence[int]], drafter: PositionSummary,
     res = Repetition(k, {TRAIN_TEXT: R.repetition_stats(train_outputs)}, drafter)
     if replay is None:
         return res
-    from eagle3lab import speculate as SP
-
     conts = replay.continuations
     res.stats[EVAL_TEXT] = R.repetition_stats(generated(conts, max_new_tokens))
     ngram = SP.replay_drafter(None, conts, [k], max_new_tokens, eos_token_id)[k]
@@ -754,9 +751,6 @@ class HumanEval:
 def humaneval(ref: Any, drafter: Any, tokenizer: Any, num_prompts: int, prompt_tokens: int, new_tokens: int, k: int,
               layer_ids: Sequence[int], seed: int) -> HumanEval:
     """Continue HumanEval prompts greedily and replay the drafter and prompt lookup on them at k."""
-    from eagle3lab import speculate as SP
-    from eagle3lab.synthetic import humaneval_prompts
-
     t0 = time.perf_counter()
     prompts = humaneval_prompts(tokenizer, num_prompts, prompt_tokens)
     conts = SP.greedy_continuations(ref, prompts, new_tokens + k, layer_ids, batch_size=64)
@@ -776,9 +770,6 @@ def extract_all_layers(ref: Any, samples: Sequence[Mapping[str, Any]], layer_sam
                        target_path: Path, extraction_kw: Mapping[str, Any]) -> tuple[Any, dict[str, float]]:
     """Every layer's aux states of the first ``layer_samples`` training samples (None: all), in ``folder``;
     returns (dataset, seconds)."""
-    from eagle3lab import sweep as SW
-    from eagle3lab.synthetic import write_jsonl_atomic
-
     t0 = time.perf_counter()
     samples_file = folder / "samples.jsonl"
     write_jsonl_atomic(samples_file, list(samples[: layer_samples or len(samples)]))
@@ -791,8 +782,6 @@ def probe(ref: Any, all_layers: Any, continuations: Sequence[Any], layer_ids: Se
     """Logit lens and tuned lens per layer id: trained on states sampled from ``all_layers``, scored on the
     continuations' generated positions. Returns (:class:`eagle3lab.probe.ProbeResult`, seconds)."""
     import torch
-
-    from eagle3lab import probe as PR
 
     t0 = time.perf_counter()
     readout = PR.readout_from_model(ref.model)
@@ -853,8 +842,6 @@ class Ablation:
 
     def figure(self, num_layers: int) -> go.Figure:
         """Which ids each set reads, and its τ."""
-        from eagle3lab.sweep import ablation_figure
-
         return ablation_figure(self.results, num_layers, reference="profile")
 
     def best(self) -> str:

@@ -21,7 +21,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from eagle3lab import compare, diagnose, lint, params, patch_check, runner, servable, vllm_compat
+from eagle3lab.diagnose.target_info import target_info
 from eagle3lab.errors import InputError
+from eagle3lab.paths import repo_root
 
 EXIT_OK, EXIT_NO, EXIT_BAD_INPUT, EXIT_FAILED = 0, 1, 2, 3
 
@@ -78,15 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_compare(a: argparse.Namespace) -> int:
-    from eagle3lab import compare
-
     print(f"report: {compare.write_compare(a.runs, a.out)}")
     return 0
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
-    from eagle3lab import runner
-
     if a.resume:
         if a.params or a.overrides or a.only or a.outputs:
             raise InputError([("--resume", "a resumed run keeps its own params.yaml: drop --params, -p, --only and --outputs")])
@@ -106,8 +105,6 @@ def _cmd_run(a: argparse.Namespace) -> int:
 def _cmd_validate(a: argparse.Namespace) -> int:
     import yaml
 
-    from eagle3lab import params
-
     p = params.load(a.file, a.overrides)
     print(yaml.safe_dump(params.to_jsonable(p), sort_keys=False), end="")
     print(f"# {a.file}: valid")
@@ -118,11 +115,10 @@ def _cmd_validate(a: argparse.Namespace) -> int:
 
 def _servable_lines(p: Any) -> list[str]:
     """Warnings, before any work, when the installed vLLM would refuse the profile's target or drafter."""
-    from eagle3lab import servable, vllm_compat
-
     if not vllm_compat.vllm_version():
         return []
     try:
+        # lazy: eagle3lab.drafter imports torch (+1.3 s); only this check needs it, not --help/diagnose/lint
         from eagle3lab.drafter import default_drafter_heads
 
         found = servable.check_profile(p, default_drafter_heads)
@@ -133,25 +129,18 @@ def _servable_lines(p: Any) -> list[str]:
 
 
 def _cmd_diagnose(a: argparse.Namespace) -> int:
-    from eagle3lab import diagnose
-
     d = diagnose.diagnose(a.target, drafter_config=a.drafter_config)
     print(json.dumps(d.to_dict(), indent=2) if a.json else diagnose.format_diagnosis(d))
     return EXIT_OK
 
 
 def _cmd_lint(a: argparse.Namespace) -> int:
-    from eagle3lab import lint
-
     r = lint.lint_drafter(a.drafter_config, a.target)
     print(json.dumps(r.to_dict(), indent=2) if a.json else lint.format_lint(r))
     return EXIT_NO if r.has_errors else EXIT_OK
 
 
 def _cmd_patch(a: argparse.Namespace) -> int:
-    from eagle3lab import params, patch_check, vllm_compat
-    from eagle3lab.diagnose.target_info import target_info
-
     p = params.load(a.params or params_default(), a.overrides)
     if not vllm_compat.vllm_version():
         raise RuntimeError("vLLM is not installed in this environment: nothing to check")
@@ -167,8 +156,6 @@ def _cmd_patch(a: argparse.Namespace) -> int:
 
 def params_default() -> str:
     """The default profile's path."""
-    from eagle3lab.paths import repo_root
-
     return str(repo_root() / "params" / "embedded.yaml")
 
 

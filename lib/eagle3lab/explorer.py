@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3lab import acceptance
+from eagle3lab.acceptance import read_records
+from eagle3lab.report import WIDGET_MIME, figure_html, show
+
 RECORDS = Path("artifacts") / "acceptance" / "records.jsonl"
 
 
@@ -42,8 +46,6 @@ def find_runs(*folders: str | Path) -> list[Path]:
 
 def load_records(run: str | Path) -> list[dict[str, Any]]:
     """The records of one run (acceptance's reader)."""
-    from eagle3lab.acceptance import read_records
-
     return read_records(Path(run) / RECORDS)
 
 
@@ -77,8 +79,6 @@ def default_selection(run: Path, records: list[dict[str, Any]]) -> Selection:
 def view(records: list[dict[str, Any]], sel: Selection) -> tuple[Any | None, str]:
     """The figure (acceptance per position over the configuration's prompts) and the chosen prompt's token
     view as HTML; ``(None, message)`` when the run has no records for this choice."""
-    from eagle3lab import acceptance
-
     rows = select(records, sel.drafter, sel.k, sel.split, sel.temperature)
     if not rows:
         return None, (f"<p>No records for drafter {sel.drafter}, k = {sel.k}, {sel.split} prompts, "
@@ -99,8 +99,6 @@ def view(records: list[dict[str, Any]], sel: Selection) -> tuple[Any | None, str
 
 def static_html(records: list[dict[str, Any]], sel: Selection) -> str:
     """What the export shows for the explorer: the view of ``sel`` as plain HTML (the page loads plotly.js)."""
-    from eagle3lab.report import figure_html
-
     fig, tokens = view(records, sel)
     note = (f"<p><i>Acceptance explorer (interactive in JupyterLab); static view of run {sel.run}, drafter "
             f"{sel.drafter}, k = {sel.k}, {sel.split} prompts, T = {sel.temperature:g}.</i></p>")
@@ -185,8 +183,6 @@ class Explorer:
     def _draw(self) -> None:
         from IPython.display import HTML, display
 
-        from eagle3lab.report import show
-
         fig, tokens = view(self.records(), self.selection())
         self.out.clear_output(wait=True)
         with self.out:
@@ -198,8 +194,6 @@ class Explorer:
         """Display the panel; the output also carries the static view of the current selection (the export
         shows that, since a widget cannot run in an offline page)."""
         from IPython.display import display
-
-        from eagle3lab.report import WIDGET_MIME
 
         static = static_html(self.records(), self.selection())
         display({WIDGET_MIME: {"version_major": 2, "version_minor": 0, "model_id": self.widget.model_id},

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3lab import vllm_compat
+from eagle3lab import servable, vllm_compat
 from eagle3lab.aux_layers import (
     aux_id_problems,
     default_aux_layer_ids,
@@ -567,8 +567,6 @@ def _add_servable(report: LintReport, dcfg: dict[str, Any], target: Path, fields
     where that module builds the target's text stack, or where the stack's module cannot be told; GLM-4-MoE's
     module, for one, always creates the bias, so the rule would refuse a sound GLM checkpoint.
     """
-    from eagle3lab import servable
-
     if not vllm_compat.vllm_version():
         return
     try:

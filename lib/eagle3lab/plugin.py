@@ -17,6 +17,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from eagle3lab import patch, vllm_compat
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "EAGLE3LAB_PATCH"
@@ -83,8 +85,6 @@ def cpu_attention_block16() -> bool:
     kernels take block 16 (its ISA selection falls back to the "vec16" kernel when the block size is not a
     multiple of 32); only its declaration is stricter.
     """
-    from eagle3lab import vllm_compat
-
     if not vllm_compat.import_module("platforms").current_platform.is_cpu():
         return False
     backend_mod = vllm_compat.import_module("v1.attention.backend")
@@ -118,8 +118,6 @@ def cpu_kernel_scan_guard() -> bool:
     dies. The guard hides exactly the modules whose namespaces would raise, for the duration of the walk.
     """
     import sys
-
-    from eagle3lab import vllm_compat
 
     platform = vllm_compat.import_module("platforms").current_platform
     if not platform.is_cpu() or not hasattr(platform, "register_triton_kernel_overrides"):
@@ -156,8 +154,6 @@ def vllm_plugin() -> None:
     if not raw:
         return
     try:
-        from eagle3lab import patch
-
         cfg = parse_plugin_env(raw)
         if cfg["legacy_simulation"] and patch.LEGACY not in patch.applied():
             rep = patch.simulate_legacy()

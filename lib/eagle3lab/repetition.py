@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from eagle3lab.acceptance import SpecDecodeStats
+
 
 def loop_spans(seq: Sequence[int], max_period: int = 32, min_run: int = 4) -> list[tuple[int, int, int]]:
     """(start, end, period) of every maximal periodic span of ``seq`` (end exclusive)."""
@@ -90,13 +92,11 @@ def repetition_stats(seqs: Sequence[Sequence[int]], max_period: int = 32, min_ru
 
 def split_rounds_by_loops(
     sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], traces: Sequence[Any], k: int
-) -> tuple[Any, Any]:
+) -> tuple[SpecDecodeStats, SpecDecodeStats]:
     """(counters of the rounds whose first drafted token lies inside a loop, counters of the others).
 
     ``traces``: one :class:`eagle3lab.speculate.DecodeTrace` per sequence (prompt + continuation).
     """
-    from eagle3lab.acceptance import SpecDecodeStats
-
     inside, outside = SpecDecodeStats(), SpecDecodeStats()
     for seq, plen, tr in zip(sequences, prompt_lens, traces, strict=True):
         mask = loop_mask(seq)

@@ -18,6 +18,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle3lab import provenance
+from eagle3lab.progress import progress as progress_bar
+
 SAMPLES = "samples.jsonl"
 HELDOUT = "heldout_prompts.jsonl"
 META = "meta.json"
@@ -127,6 +130,7 @@ def profile_prompts(params: Any, tokenizer: Any) -> tuple[list[list[int]], list[
     data = params.data
     if data.prompts_file is not None:
         return file_prompts(data.prompts_file, tokenizer, data.num_prompts, data.heldout_prompts, params.seed)
+    # lazy: eagle3lab.target imports torch (+1.5 s); synthetic stays torch-free, only this corpus path needs it
     from eagle3lab.target import build_corpus
 
     spec = params.target.embedded
@@ -252,8 +256,6 @@ def generate_samples(
     written, so a resumed file is byte-identical to an uninterrupted one. ``max_batches`` stops after
     that many generated batches (for chunked runs); ``on_batch(b)`` is called after each written batch.
     """
-    from eagle3lab.progress import progress as progress_bar
-
     if not prompts:
         raise ValueError("empty prompt set: nothing to generate")
     if batch_size < 1:
@@ -263,8 +265,6 @@ def generate_samples(
     path = out / SAMPLES
     # Never resume samples made by another target or with other settings (lab run folders are reused):
     # provenance.guard deletes them and says which input changed.
-    from eagle3lab import provenance
-
     stale = provenance.guard(out, {
         "engine": provenance.engine_fingerprint(engine), "prompts": provenance.sha256_json([list(p) for p in prompts]),
         "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "batch_size": batch_size,

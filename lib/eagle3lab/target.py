@@ -21,15 +21,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from eagle3lab import provenance
+from eagle3lab.params import EmbeddedTarget
+from eagle3lab.progress import progress as tqdm  # silent in batch runs
 from eagle3lab.target_loading import load_target
-
-if TYPE_CHECKING:  # only for annotations: the target code runs without pydantic (e.g. on a GPU host)
-    from eagle3lab.params import EmbeddedTarget
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 # Folders of the standard library that are not library code, or not ours to read.
@@ -405,8 +405,6 @@ def train_target(
     ``time_budget_s`` stops after the step that crosses that wall time (the result says how many steps
     ran). On CUDA the forward runs under bf16 autocast (fp32 master weights): the GPU profile's budget.
     """
-    from eagle3lab.progress import progress as tqdm  # silent in batch runs
-
     if steps < 1 or batch_size < 1 or seq_len < 2:
         raise ValueError(f"steps, batch_size and seq_len must be positive (got {steps}, {batch_size}, {seq_len})")
     t0 = time.perf_counter()
@@ -423,8 +421,6 @@ def train_target(
     if ckpt is not None:
         # Never resume a run made for another config, corpus or schedule (lab run folders are reused):
         # provenance.guard deletes the checkpoint and says which input changed.
-        from eagle3lab import provenance
-
         stale = provenance.guard(ckpt.parent, {
             "config": config.to_dict(), "corpus": provenance.sha256_tensor(train_stream), "steps": steps,
             "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "seed": seed,
@@ -515,10 +511,8 @@ def portable_tokenizer_config(path: str | Path) -> bool:
     return True
 
 
-def tiny_spec(**overrides: Any) -> Any:
+def tiny_spec(**overrides: Any) -> EmbeddedTarget:
     """An EmbeddedTarget a few hundred times smaller than the default (tests, smoke runs)."""
-    from eagle3lab.params import EmbeddedTarget
-
     base: dict[str, Any] = dict(
         vocab_size=320, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, q_lora_rank=16,
         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, intermediate_size=64,

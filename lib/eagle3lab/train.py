@@ -39,6 +39,7 @@ import plotly.graph_objects as go
 import torch
 import torch.nn.functional as F
 
+from eagle3lab import drafter as drafter_mod
 from eagle3lab import provenance
 from eagle3lab.drafter import Eagle3Drafter, VocabCoverage, causal_mask, target_to_draft, vocab_coverage
 from eagle3lab.errors import CorruptFileError
@@ -468,8 +469,6 @@ def build_drafter_for_target(
     ``drafter_kw`` goes to :func:`eagle3lab.drafter.build_drafter` (see :func:`eagle3lab.kwargs.drafter_kwargs`).
     """
     import json
-
-    from eagle3lab import drafter as drafter_mod
 
     cfg = json.loads((Path(target_path) / "config.json").read_text())
     text_cfg = cfg.get("text_config") or cfg

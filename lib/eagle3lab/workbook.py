@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lab import params as params_mod
+from eagle3lab import report
 
 CONCLUSION_KEY = "conclusion"  # per notebook: Workbook.conclude
 CAVEATS_KEY = "caveats"  # per notebook: Workbook.caveat
@@ -131,8 +132,6 @@ def open_workbook(
     overrides: list[str] | None = None,
 ) -> Workbook:
     """Open the context for ``notebook``; see the module docstring for the two ways it is called."""
-    from eagle3lab import report
-
     root = repo_root()
     if params is not None:
         p = params_mod.validate(params, f"injected parameters of {notebook}")
