@@ -331,3 +331,12 @@ def test_light_modules_import_neither_torch_nor_vllm(module):
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_the_cli_needs_no_notebook_stack():
+    """`eagle3lab diagnose` and `patch --check` run in a bare vLLM venv (the legacy 0.17 one installs eagle3lab
+    without its dependencies): the CLI module imports neither plotly nor papermill (a CI run failed on that)."""
+    code = ("import sys, eagle3lab.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('plotly', 'papermill', 'nbformat')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

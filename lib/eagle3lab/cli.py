@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from eagle3lab import compare, diagnose, lint, params, patch_check, runner, servable, vllm_compat
+from eagle3lab import diagnose, lint, params, patch_check, servable, vllm_compat
 from eagle3lab.diagnose.target_info import target_info
 from eagle3lab.errors import InputError
 from eagle3lab.paths import repo_root
@@ -81,11 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_compare(a: argparse.Namespace) -> int:
+    # lazy: compare's pages need the notebook stack (plotly); diagnose and patch --check run in a bare vLLM venv
+    from eagle3lab import compare
+
     print(f"report: {compare.write_compare(a.runs, a.out)}")
     return 0
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
+    # lazy: the runner needs the notebook stack (papermill, plotly); diagnose and patch --check run in a bare vLLM venv
+    from eagle3lab import runner
+
     if a.resume:
         if a.params or a.overrides or a.only or a.outputs:
             raise InputError([("--resume", "a resumed run keeps its own params.yaml: drop --params, -p, --only and --outputs")])
