@@ -75,6 +75,37 @@ def _random_glm_target(path: Path) -> None:
     T.save_target(T.build_model(cfg, seed=0), tok, path)
 
 
+def aux_against_transformers(model: torch.nn.Module, aux: torch.Tensor, seqs: list[list[int]], ids: list[int],
+                             hidden: int) -> tuple[float, dict[int, float], float]:
+    """(largest relative difference, per id, smallest relative distance to a shifted id) between the engine's aux
+    states ``aux`` (sequences x positions x ids*hidden) and ``model``'s hidden states at the same ids: vLLM's id k
+    is transformers' ``hidden_states[k]`` for k < L, and the final norm's input for k = L. Differences are
+    max |a - b| over the reference's max |b|. Asserts that the padding rows past each sequence stay empty."""
+    device = next(model.parameters()).device
+    worst, nearest_wrong = 0.0, float("inf")
+    per_id: dict[int, float] = {}
+    seen: list[torch.Tensor] = []  # the final norm's input, per forward
+    model.model.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0][0].float().cpu().clone()))
+    for r, seq in enumerate(seqs):
+        with torch.no_grad():
+            hs = model(input_ids=torch.tensor([seq], device=device), output_hidden_states=True,
+                       use_cache=False).hidden_states
+        hs = [h[0].float().cpu() for h in hs[:-1]] + [seen[-1]]  # hs[L]: the pre-norm state, vLLM's id L
+        got = aux[r, : len(seq)].view(len(seq), len(ids), hidden)
+        for j, k in enumerate(ids):
+            ref = hs[k]
+            scale = float(ref.abs().max())
+            diff = float((got[:, j] - ref).abs().max()) / scale
+            per_id[k] = max(per_id.get(k, 0.0), diff)
+            worst = max(worst, diff)
+            for other in (k - 1, k + 1):  # a shifted id: what a wrong mapping would capture
+                if 0 <= other < len(hs):
+                    nearest_wrong = min(nearest_wrong, float((got[:, j] - hs[other]).abs().max()) / scale)
+        # the padding rows past the sequence stay empty: nothing of another sequence leaked in
+        assert not aux[r, len(seq):].any()
+    return worst, per_id, nearest_wrong
+
+
 @pytest.mark.vllm_cpu
 @pytest.mark.slow
 def test_patched_engine_aux_states_equal_transformers_hidden_states(tmp_path):
@@ -100,26 +131,7 @@ def test_patched_engine_aux_states_equal_transformers_hidden_states(tmp_path):
 
     model, _ = TL.load_target(tmp_path / "target", dtype="float32")
     assert type(model).__name__ == ARCH
-    worst, nearest_wrong = 0.0, float("inf")
-    per_id: dict[int, float] = {}
-    seen: list[torch.Tensor] = []  # the final norm's input, per forward
-    model.model.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0][0].clone()))
-    for r, seq in enumerate(seqs):
-        with torch.no_grad():
-            hs = list(model(input_ids=torch.tensor([seq]), output_hidden_states=True, use_cache=False).hidden_states)
-        hs = [h[0] for h in hs[:-1]] + [seen[-1]]  # hs[L]: the pre-norm state, vLLM's id L
-        got = aux[r, : len(seq)].view(len(seq), len(IDS), 128)
-        for j, k in enumerate(IDS):
-            ref = hs[k]
-            scale = float(ref.abs().max())
-            diff = float((got[:, j] - ref).abs().max()) / scale
-            per_id[k] = max(per_id.get(k, 0.0), diff)
-            worst = max(worst, diff)
-            for other in (k - 1, k + 1):  # a shifted id: what a wrong mapping would capture
-                if 0 <= other < len(hs):
-                    nearest_wrong = min(nearest_wrong, float((got[:, j] - hs[other]).abs().max()) / scale)
-        # the padding rows past the sequence stay empty: nothing of another sequence leaked in
-        assert not aux[r, len(seq):].any()
+    worst, per_id, nearest_wrong = aux_against_transformers(model, aux, seqs, IDS, 128)
     print(f"AUX_MEASURED max relative diff {worst:.3g} (per id {per_id}); nearest shifted id {nearest_wrong:.3g}")
     assert worst < AUX_TOL, (worst, per_id)
     assert nearest_wrong > 100 * AUX_TOL, nearest_wrong

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_glm4_moe_engine import ARCH, IDS, _random_glm_target
+from test_glm4_moe_engine import ARCH, IDS, _random_glm_target, aux_against_transformers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -117,25 +117,7 @@ def test_glm4_moe_refused_then_served_compiled_greedy_equal_and_aux_equal_transf
     assert aux.shape == (len(seqs), max(map(len, seqs)), len(IDS) * 128)
     model, _ = TL.load_target(target, dtype="bfloat16")
     model = model.cuda().eval()
-    worst, nearest_wrong = 0.0, float("inf")
-    per_id: dict[int, float] = {}
-    seen: list[torch.Tensor] = []  # the final norm's input: vLLM's id L (transformers' hidden_states[L] is normed)
-    model.model.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0][0].float().cpu()))
-    for r, seq in enumerate(seqs):
-        with torch.no_grad():
-            hs = model(input_ids=torch.tensor([seq], device="cuda"), output_hidden_states=True,
-                       use_cache=False).hidden_states
-        hs = [h[0].float().cpu() for h in hs[:-1]] + [seen[-1]]
-        got = aux[r, : len(seq)].view(len(seq), len(IDS), 128)
-        for j, k in enumerate(IDS):
-            scale = float(hs[k].abs().max())
-            diff = float((got[:, j] - hs[k]).abs().max()) / scale
-            per_id[k] = max(per_id.get(k, 0.0), diff)
-            worst = max(worst, diff)
-            for other in (k - 1, k + 1):
-                if 0 <= other < len(hs):
-                    nearest_wrong = min(nearest_wrong, float((got[:, j] - hs[other]).abs().max()) / scale)
-        assert not aux[r, len(seq):].any()
+    worst, per_id, nearest_wrong = aux_against_transformers(model, aux, seqs, IDS, 128)
     print(f"AUX_MEASURED bf16 max relative diff {worst:.3g} (per id {per_id}); nearest shifted id {nearest_wrong:.3g}")
     assert worst < AUX_TOL_BF16, (worst, per_id)
     assert nearest_wrong > 4 * AUX_TOL_BF16, nearest_wrong

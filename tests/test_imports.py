@@ -324,19 +324,21 @@ def test_the_import_graph_has_no_cycle():
     assert "engines.base" in by_file["engines.vllm_served"]  # the graph sees the package's own arrows
 
 
+def imported_from(module: str, packages: tuple[str, ...]) -> str:
+    """What importing ``eagle3lab.<module>`` in a fresh interpreter loads of ``packages`` (a printed sorted list)."""
+    code = f"import sys, eagle3lab.{module}; print(sorted(m for m in sys.modules if m.split('.')[0] in {packages!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
 @pytest.mark.parametrize("module", LIGHT_MODULES)
 def test_light_modules_import_neither_torch_nor_vllm(module):
     """The config layer, and the modules whose lazy: imports are there to keep torch and vLLM out."""
-    code = (f"import sys, eagle3lab.{module}; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]", out
+    out = imported_from(module, ("torch", "vllm", "transformers"))
+    assert out == "[]", out
 
 
 def test_the_cli_needs_no_notebook_stack():
     """`eagle3lab diagnose` and `patch --check` run in a bare vLLM venv (the legacy 0.17 one installs eagle3lab
     without its dependencies): the CLI module imports neither plotly nor papermill (a CI run failed on that)."""
-    code = ("import sys, eagle3lab.cli; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('plotly', 'papermill', 'nbformat')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]", out
+    out = imported_from("cli", ("plotly", "papermill", "nbformat"))
+    assert out == "[]", out

@@ -25,11 +25,9 @@ from eagle3lab import repetition as R
 from eagle3lab import speculate as SP
 from eagle3lab import sweep as SW
 from eagle3lab.acceptance import PromptIntervals, SpecDecodeStats
-from eagle3lab.divergence import first_difference
 from eagle3lab.drafter import load_drafter
 from eagle3lab.engines.factory import make_engine
 from eagle3lab.repetition import RepetitionStats
-from eagle3lab.sweep import ablation_figure
 from eagle3lab.synthetic import humaneval_prompts, read_jsonl, write_jsonl_atomic
 
 RECORDS = A.RECORDS
@@ -126,7 +124,7 @@ class EngineDecode:
         Where the outputs part says what kind of mismatch it is: a bf16 near-tie flips one late token and the rest
         follows from it, while a broken drafter path or patch would diverge at the first tokens of most prompts.
         """
-        return {i: first_difference(self.greedy[i], self.spec.outputs[i]) for i in self.mismatch}
+        return {i: DV.first_difference(self.greedy[i], self.spec.outputs[i]) for i in self.mismatch}
 
     @property
     def measured_speedup(self) -> float | None:
@@ -842,7 +840,7 @@ class Ablation:
 
     def figure(self, num_layers: int) -> go.Figure:
         """Which ids each set reads, and its τ."""
-        return ablation_figure(self.results, num_layers, reference="profile")
+        return SW.ablation_figure(self.results, num_layers, reference="profile")
 
     def best(self) -> str:
         """The set with the highest τ, as ``name [ids]``."""

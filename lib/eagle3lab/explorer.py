@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lab import acceptance
-from eagle3lab.acceptance import read_records
 from eagle3lab.report import WIDGET_MIME, figure_html, show
 
 RECORDS = Path("artifacts") / "acceptance" / "records.jsonl"
@@ -46,7 +45,7 @@ def find_runs(*folders: str | Path) -> list[Path]:
 
 def load_records(run: str | Path) -> list[dict[str, Any]]:
     """The records of one run (acceptance's reader)."""
-    return read_records(Path(run) / RECORDS)
+    return acceptance.read_records(Path(run) / RECORDS)
 
 
 def options(records: list[dict[str, Any]]) -> dict[str, list[Any]]:

@@ -39,9 +39,16 @@ import plotly.graph_objects as go
 import torch
 import torch.nn.functional as F
 
-from eagle3lab import drafter as drafter_mod
 from eagle3lab import provenance
-from eagle3lab.drafter import Eagle3Drafter, VocabCoverage, causal_mask, target_to_draft, vocab_coverage
+from eagle3lab.drafter import (
+    Eagle3Drafter,
+    VocabCoverage,
+    build_drafter,
+    causal_mask,
+    target_embedding_weights,
+    target_to_draft,
+    vocab_coverage,
+)
 from eagle3lab.errors import CorruptFileError
 from eagle3lab.progress import progress as progress_bar
 
@@ -476,8 +483,8 @@ def build_drafter_for_target(
     if not aux_ids:
         raise ValueError("dataset has no aux_layer_ids: cannot size the drafter's fc")
     counts = token_counts_from_dataset(dataset, int(text_cfg["vocab_size"]))
-    embed, head = drafter_mod.target_embedding_weights(target_path)
-    drafter = drafter_mod.build_drafter(
+    embed, head = target_embedding_weights(target_path)
+    drafter = build_drafter(
         cfg, aux_ids, counts, draft_vocab_size, embed, head, seed=seed, **(drafter_kw or {})
     )
     return drafter, vocab_coverage(counts, drafter.t2d)
