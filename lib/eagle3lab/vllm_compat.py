@@ -17,6 +17,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import logging
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -139,15 +140,44 @@ def _load_outcome(arch: str) -> tuple[type | None, str]:
     registry = model_registry()
     if arch not in registry.get_supported_archs():
         return None, f"architecture {arch!r} is not in vLLM {vllm_version()}'s model registry"
+    caught = _LoggedErrors()
+    registry_logger = logging.getLogger(_REGISTRY_LOGGER)
+    registry_logger.addHandler(caught)
     try:
         with contextlib.redirect_stdout(sys.stderr):
             cls = registry._try_load_model_cls(arch)
     except Exception as exc:  # any import error of a model module means "cannot load here"
         return None, f"architecture {arch!r}: vLLM {vllm_version()} cannot load its class ({exc})"
+    finally:
+        registry_logger.removeHandler(caught)
     if cls is None:
-        return None, (f"architecture {arch!r}: vLLM {vllm_version()} lists it but its class failed to import "
-                      f"here: {_import_error(registry, arch)}")
+        # The error vLLM logged is the first import's; importing again may raise another, or none at all.
+        why = caught.first() or _import_error(registry, arch)
+        return None, f"architecture {arch!r}: vLLM {vllm_version()} lists it but its class failed to import here: {why}"
     return cls, ""
+
+
+# vLLM's registry catches a model module's import error and only logs it, through this logger.
+_REGISTRY_LOGGER = "vllm.model_executor.models.registry"
+
+
+class _LoggedErrors(logging.Handler):
+    """Keeps the exceptions logged while it is attached (vLLM's registry logs the import error it swallows)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.errors: list[BaseException] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.errors.append(record.exc_info[1])
+
+    def first(self) -> str:
+        """The first logged exception as ``Type: message``, or "" if none was logged."""
+        if not self.errors:
+            return ""
+        exc = self.errors[0]
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _import_error(registry: Any, arch: str) -> str:

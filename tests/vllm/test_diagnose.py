@@ -253,3 +253,32 @@ def test_import_error_counts_group_not_loadable_rows():
         (tv, 5), ("RuntimeError: no kernel", 1), ("unknown (the class imports)", 1)]
     assert got[0]["examples"].endswith(" ...") and got[0]["examples"].count(",") == 3
     assert sum(g["architectures"] for g in got) == dg.registry_counts(rows)[-1].not_loadable
+
+
+def test_a_class_that_fails_to_import_is_named_by_the_error_vllm_logged(monkeypatch):
+    # LongcatFlashNgram on 0.26 without llguidance: the registry's first import fails half-way and is only logged,
+    # and a second import of the module succeeds, so re-importing cannot tell why. The logged error must be named.
+    import logging
+
+    class Registry:
+        models = {"Half": type("Entry", (), {"module_name": "json", "class_name": "JSONDecoder"})()}
+
+        def get_supported_archs(self):
+            return ["Half"]
+
+        def _try_load_model_cls(self, arch):
+            try:
+                raise ModuleNotFoundError("No module named 'llguidance'")
+            except ModuleNotFoundError:
+                logging.getLogger("vllm.model_executor.models.registry").exception("Error in loading %s", arch)
+            return None
+
+    monkeypatch.setattr(vllm_compat, "model_registry", Registry)
+    cls, why = vllm_compat._load_outcome.__wrapped__("Half")
+    assert cls is None
+    assert why.endswith("failed to import here: ModuleNotFoundError: No module named 'llguidance'"), why
+    # nothing logged: the module is imported again, and here it imports, which is said as such
+    monkeypatch.setattr(Registry, "_try_load_model_cls", lambda self, arch: None)
+    assert vllm_compat._load_outcome.__wrapped__("Half")[1].endswith("unknown (the class imports)")
+    assert not any(type(h).__name__ == "_LoggedErrors"
+                   for h in logging.getLogger("vllm.model_executor.models.registry").handlers)
