@@ -109,6 +109,12 @@ def test_kimi_chain_follows_the_language_model(by_arch):
     assert [x.attribute for x in lv] == [None, "language_model", "model"]
     assert "SupportsMultiModal" in lv[0].interfaces
     assert ("SupportsEagle3" in lv[0].interfaces) is NATIVE
+    # 01's member table: a row per Protocol member, a column per level
+    rows = by_arch["KimiK25ForConditionalGeneration"].member_rows()
+    assert [r["member"] for r in rows] == dg.eagle3_protocol_members()
+    assert all(list(r)[1:] == [x.class_name for x in lv] for r in rows)
+    wrapper = {r["member"]: r["KimiK25ForConditionalGeneration"] for r in rows}
+    assert wrapper["supports_eagle3"] == ("yes" if NATIVE else "MISSING")
 
 
 def test_raise_site_found_and_quoted(by_arch):

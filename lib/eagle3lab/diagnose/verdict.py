@@ -73,11 +73,12 @@ class Diagnosis:
         ]
 
     def member_rows(self) -> list[dict[str, Any]]:
-        """Which members of the installed ``SupportsEagle3`` each level has ("yes" / "MISSING")."""
+        """Which members of the installed ``SupportsEagle3`` each level has ("yes" / "MISSING"): one row per
+        member, one column per level (the members' long names fit a row; as columns they overflowed the page)."""
         return [
-            {"class": lv.class_name,
-             **{m: "yes" if m in lv.interface.members_present else "MISSING" for m in self.protocol_members}}
-            for lv in self.levels
+            {"member": m, **{lv.class_name: "yes" if m in lv.interface.members_present else "MISSING"
+                             for lv in self.levels}}
+            for m in self.protocol_members
         ]
 
     def raise_site_rows(self) -> list[dict[str, Any]]:
