@@ -222,3 +222,25 @@ def test_the_refused_env_name_is_the_plugins():
     from eagle3lab import plugin
 
     assert params.PATCH_ENV_VAR == plugin.ENV_VAR
+
+
+def test_bad_prompt_lines_fail_validation_with_their_line_numbers(tmp_path):
+    # A prompts file whose lines 03 cannot read must fail at validation, before 00 trains for minutes.
+    f = tmp_path / "prompts.jsonl"
+    good = [json.dumps({"prompt": f"p{i}"}) for i in range(6)]
+    f.write_text("\n".join([good[0], '{"prompt": "cut', good[1], "", json.dumps({"text": "x"}), *good[2:],
+                            json.dumps({"messages": [{"role": "user", "content": "hi"}]})]) + "\n")
+    overrides = [f"data.prompts_file={f}", "data.num_prompts=3", "data.heldout_prompts=2"]
+    with pytest.raises(params.ParamsError) as e:
+        params.load(ROOT / "params" / "embedded.yaml", overrides)
+    assert [r for _, r in e.value.field_problems] == [
+        f"{f}:2: not valid JSON (Unterminated string starting at)",
+        f"{f}:5: expected {{\"prompt\": str}} or {{\"messages\": [...]}}"]
+    # the same lines, mended, validate: 6 prompts + 1 chat record are enough for 3 + 2
+    f.write_text("\n".join([*good, json.dumps({"messages": []})]) + "\n")
+    assert params.load(ROOT / "params" / "embedded.yaml", overrides).data.prompts_file == f
+    # too few good lines is still its own message
+    f.write_text(good[0] + "\n")
+    with pytest.raises(params.ParamsError) as e:
+        params.load(ROOT / "params" / "embedded.yaml", overrides)
+    assert e.value.reason == f"{f} holds 1 prompts; the profile asks for 5 (data.num_prompts 3 + data.heldout_prompts 2)"

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lab import provenance
+from eagle3lab.params import prompt_record_problem
 from eagle3lab.progress import progress as progress_bar
 
 SAMPLES = "samples.jsonl"
@@ -140,18 +141,17 @@ def profile_prompts(params: Any, tokenizer: Any) -> tuple[list[list[int]], list[
 
 
 def _encode_record(rec: Any, tokenizer: Any, where: str) -> list[int]:
-    if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+    if (problem := prompt_record_problem(rec)) is not None:
+        raise ValueError(f"{where}: {problem}")
+    if isinstance(rec.get("prompt"), str):
         ids = tokenizer(rec["prompt"])["input_ids"]
-    elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-        if getattr(tokenizer, "chat_template", None):
-            # tokenize=False then encode: the return type of tokenize=True changed within transformers 5.
-            text = tokenizer.apply_chat_template(rec["messages"], tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            text = "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in rec["messages"])
-            ids = tokenizer(text)["input_ids"]
+    elif getattr(tokenizer, "chat_template", None):
+        # tokenize=False then encode: the return type of tokenize=True changed within transformers 5.
+        text = tokenizer.apply_chat_template(rec["messages"], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
-        raise ValueError(f"{where}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}")
+        text = "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in rec["messages"])
+        ids = tokenizer(text)["input_ids"]
     if not ids:
         raise ValueError(f"{where}: prompt encodes to no tokens")
     return list(ids)
