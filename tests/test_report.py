@@ -360,3 +360,24 @@ def test_overview_reads_mismatches_against_the_measured_precision_error():
         "3 of 64 prompts differ, first at token 12 or later; 2 of 3 part where the float32 margin is within what "
         "bfloat16 rounding of this target was measured to move a margin by at 0.10% of positions (0.373; its argmax "
         "leaves float32's at 1.42% of positions)")
+
+
+def test_members_before_after_figure_marks_what_the_patch_added():
+    from eagle3lab.diagnose.figures import members_before_after_figure
+
+    members = ["get_eagle3_default_aux_hidden_state_layers", "set_aux_hidden_state_layers", "supports_eagle3"]
+
+    def row(arch, present, ok):
+        return {"arch": arch, "protocol_members": members, "members_present": present, "supports_eagle3": ok}
+
+    before = [row("Glm4MoeForCausalLM", [], False), row("MixtralForCausalLM", ["supports_eagle3"], False)]
+    after = [row("Glm4MoeForCausalLM", members, True), row("MixtralForCausalLM", members, True)]
+    fig = members_before_after_figure(before, after, simulated=False)
+    top, bottom = fig.data
+    assert list(top.x) == [*members, "isinstance(SupportsEagle3)"] and list(top.y) == ["Glm4MoeForCausalLM",
+                                                                                       "MixtralForCausalLM"]
+    assert [list(r) for r in top.z] == [[0, 0, 0, 0], [0, 0, 1, 0]]
+    assert [list(r) for r in bottom.z] == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    assert fig.layout.annotations[0].text == "before the patch"
+    assert members_before_after_figure(before, after, simulated=True).layout.annotations[0].text.endswith(
+        "(simulated legacy)")

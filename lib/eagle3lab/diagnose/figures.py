@@ -32,6 +32,32 @@ def interface_figure(diagnoses: list[Diagnosis], label: str) -> Any:
     return fig
 
 
+def members_before_after_figure(before: list[dict[str, Any]], after: list[dict[str, Any]], simulated: bool) -> Any:
+    """Two stacked heatmaps (before and after the patch) of ``patch.interface_matrix`` rows: which Protocol
+    members each class has, and whether vLLM's ``isinstance(SupportsEagle3)`` test passes (green: yes)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    members = after[0]["protocol_members"] if after else []
+    columns = [*members, "isinstance(SupportsEagle3)"]
+    # Stacked panels on one x axis: member names once, at the bottom; class names at the left of each panel
+    # (side by side, the right panel's class names ran into the left panel).
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=("before the patch" + (" (simulated legacy)" if simulated else ""),
+                                        "after the patch"))
+    for row, rows in ((1, before), (2, after)):
+        z = [[int(m in r["members_present"]) for m in members] + [int(r["supports_eagle3"])] for r in rows]
+        fig.add_trace(go.Heatmap(z=z, x=columns, y=[r["arch"] for r in rows], zmin=0, zmax=1, showscale=False,
+                                 xgap=2, ygap=2, colorscale=[[0, "#d9534f"], [1, "#5cb85c"]],
+                                 text=[["yes" if v else "no" for v in r] for r in z], texttemplate="%{text}",
+                                 hovertemplate="%{y}<br>%{x}: %{text}<extra></extra>"), row=row, col=1)
+    fig.update_xaxes(tickangle=-25, automargin=True)
+    fig.update_yaxes(automargin=True)
+    fig.update_layout(title="SupportsEagle3 members per class (green: present)", height=330 + 90 * len(after),
+                      margin={"l": 20, "r": 20, "t": 90, "b": 20})
+    return fig
+
+
 def registry_figure(rows: list[RegistryRow], vllm_version: str) -> Any:
     """Stacked bars per registry kind: native / patchable / not patchable / not loadable (they partition the rows)."""
     import plotly.graph_objects as go
