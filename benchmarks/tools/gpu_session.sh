@@ -6,7 +6,8 @@
 # then runs one step. Everything it writes that matters goes under $OUT.
 #   setup      install wheels + eagle3lab (with its vllm.general_plugins entry point) into /tmp/site2
 #   workbook   eagle3lab run --params params/embedded-gpu.yaml (00-05 with the vLLM engine; WB_UNTIL=03 stops
-#              after 03, the rest stays pending; WB_PARAMS=params/embedded-glm4-moe-gpu.yaml runs another profile)
+#              after 03, the rest stays pending; WB_PARAMS=params/embedded-glm4-moe-gpu.yaml runs another profile;
+#              WB_ARGS adds run options, e.g. "-p target.embedded.train_time_budget_s=30")
 #   resume     eagle3lab run --resume on that run folder (a device call is limited to 10 minutes: a run that
 #              does not fit one call continues in the next, on the same warm machine)
 #   proofs     benchmarks/tools/gpu_engine_proofs.py on that run (suite single)
@@ -85,7 +86,8 @@ setup)
 workbook)
   rm -rf /tmp/e3out
   cd /tmp/src && bounded "${WB_TIMEOUT:-560}" python3 -m eagle3lab run --params "${WB_PARAMS:-params/embedded-gpu.yaml}" \
-      --outputs /tmp/e3out --no-progress ${WB_UNTIL:+--until $WB_UNTIL} ${WB_ONLY:+--only $WB_ONLY} > "$OUT/workbook.txt" 2>&1
+      --outputs /tmp/e3out --no-progress ${WB_UNTIL:+--until $WB_UNTIL} ${WB_ONLY:+--only $WB_ONLY} ${WB_ARGS:-} \
+      > "$OUT/workbook.txt" 2>&1
   grep -v "Kernel is running over TCP" "$OUT/workbook.txt" | tail -20
   copy_run; cd "$here";;
 resume)
