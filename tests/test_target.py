@@ -46,6 +46,18 @@ def test_corpus_split_by_file_and_deterministic(corpus, spec):
         T.build_corpus(10_000, 0.1, source_dir="/no/such/folder")
 
 
+def test_a_first_file_larger_than_the_corpus_leaves_a_training_split(tmp_path):
+    # On the GPU host (Python 3.12's stdlib), the first file in hash order was larger than a 20 kB corpus: the
+    # held-out split took all of it and build_corpus raised "too little text". Here b.py comes first in hash order.
+    (tmp_path / "b.py").write_text("x = 1\n" * 10_000)  # 60 kB
+    for name in ("f.py", "e.py", "a.py"):
+        (tmp_path / name).write_text(f"# {name}\n" + "y = 2\n" * 500)
+    c = T.build_corpus(20_000, 0.05, source_dir=tmp_path)
+    assert c.heldout_files == ["b.py"] and c.train_files[0] == "f.py"
+    held, train = sum(len(t.encode()) for t in c.heldout_texts), sum(len(t.encode()) for t in c.train_texts)
+    assert held == 10_000 and 0 < train <= 10_000
+
+
 def test_tokenizer_round_trip(tokenizer, spec):
     text = "def f(x):\n    return x + 1  # café\n"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -105,11 +105,19 @@ def build_corpus(max_bytes: int, heldout_fraction: float, source_dir: str | Path
             text = p.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue  # a few test fixtures are deliberately not UTF-8
-        text = text[: max_bytes - used] if len(text.encode()) > max_bytes - used else text
+        held_bytes = sum(len(t.encode()) for t in held_t)
+        filling_held = held_bytes < heldout_budget
+        room = max_bytes - used
+        if filling_held:
+            # The held-out split takes whole files and may overrun its budget by one, but never past half of
+            # max_bytes: with a small max_bytes, a first file larger than all of it (Python 3.12's stdlib, seen on
+            # the GPU host) took every byte and left no training split.
+            room = min(room, max_bytes // 2 - held_bytes)
+        text = text[:room] if len(text.encode()) > room else text
         if not text.strip():
             continue
         rel = p.relative_to(root).as_posix()
-        if sum(len(t.encode()) for t in held_t) < heldout_budget:
+        if filling_held:
             held_t.append(text)
             held_f.append(rel)
         else:
