@@ -97,7 +97,7 @@ def build_corpus(max_bytes: int, heldout_fraction: float, source_dir: str | Path
     held_t: list[str] = []
     train_f: list[str] = []
     held_f: list[str] = []
-    used = 0
+    used = held_bytes = 0
     for p in files:
         if used >= max_bytes:
             break
@@ -105,7 +105,6 @@ def build_corpus(max_bytes: int, heldout_fraction: float, source_dir: str | Path
             text = p.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue  # a few test fixtures are deliberately not UTF-8
-        held_bytes = sum(len(t.encode()) for t in held_t)
         filling_held = held_bytes < heldout_budget
         room = max_bytes - used
         if filling_held:
@@ -116,14 +115,15 @@ def build_corpus(max_bytes: int, heldout_fraction: float, source_dir: str | Path
         text = text[:room] if len(text.encode()) > room else text
         if not text.strip():
             continue
-        rel = p.relative_to(root).as_posix()
+        rel, size = p.relative_to(root).as_posix(), len(text.encode())
         if filling_held:
             held_t.append(text)
             held_f.append(rel)
+            held_bytes += size
         else:
             train_t.append(text)
             train_f.append(rel)
-        used += len(text.encode())
+        used += size
     if not train_t or not held_t:
         raise ValueError(f"corpus from {root}: too little text for a train and a held-out split ({used} bytes)")
     return Corpus(train_t, held_t, train_f, held_f, str(root))
