@@ -6,7 +6,9 @@ vLLM's text models run their decoder layers in one loop inside the inner model's
         hidden_states, residual = layer(positions, hidden_states, residual)
 
 EAGLE-3 needs, for each requested id k, the residual stream at the *input* of layer k (vLLM's convention:
-``hidden_states + residual``, or ``hidden_states`` alone where the layers carry no separate residual), and the
+``hidden_states + residual`` where the layers read the residual they are fed, vLLM's fused add-norm; the hidden
+state alone where they carry no separate residual or discard it, post-LN and parallel blocks:
+:func:`residual_convention` reads which from the decoder layer's own forward), and the
 forward to return ``(hidden_states, [aux...])``. :func:`analyse_forward` reads a forward's source and says whether
 its loop is one we can extend, and if not, why (one line). :func:`rewrite_forward` returns the same source with
 the collection added: one counter, one membership test per layer, the final state after the loop, and every
@@ -43,6 +45,14 @@ class LayerLoop:
     residual: str | None = None  # the residual variable, or None where layers return the stream itself
     line: int = 0  # the loop's line within the forward's source
     collects_aux: bool = False  # the forward already collects aux hidden states (vLLM's own support)
+    # Where the loop passes `residual` to the layer: its position among the call's arguments, or its keyword.
+    residual_arg: int | str | None = None
+    hidden_arg: int | str | None = None  # likewise for the hidden state
+    # Whether the stream at a layer's input is hidden + residual (fused add-norm layers, which read the residual
+    # they are fed) or hidden alone (post-LN and parallel blocks, which discard it). Set by the plan from the
+    # decoder layers' own forwards (residual_convention); the rewrite follows it.
+    stream_adds_residual: bool = True
+    convention: str = ""  # what the decoder layers do with the residual, and the statement that says so (one line)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
@@ -182,13 +192,124 @@ def analyse_forward(source: str) -> LayerLoop:
                          reason=f"its layer call assigns `{ast.unparse(target)}`, not (hidden_states[, residual])")
     hidden = names[0].id  # type: ignore[union-attr]
     used = {n.id for n in ast.walk(call.value) if isinstance(n, ast.Name)}
+    residual_arg = _argument_slot(call.value, names[1].id) if len(names) == 2 else None  # type: ignore[union-attr]
     # A second output is the residual only when the loop feeds it back into the next layer; one it discards
     # (`hidden_states, _ = layer(...)`: SigLIP, Gemma-4 DSpark) is not part of the next layer's input.
     residual = names[1].id if len(names) == 2 and names[1].id in used else None  # type: ignore[union-attr]
     if hidden not in used:
         return LayerLoop(ok=False, line=loop.lineno, form=form,
                          reason=f"its layer call does not pass `{hidden}` back in; not a residual-stream loop")
-    return LayerLoop(ok=True, form=form, start=found[1], hidden=hidden, residual=residual, line=loop.lineno)
+    return LayerLoop(ok=True, form=form, start=found[1], hidden=hidden, residual=residual, line=loop.lineno,
+                     residual_arg=residual_arg if residual is not None else None,
+                     hidden_arg=_argument_slot(call.value, hidden))
+
+
+def _argument_slot(call: ast.Call, name: str) -> int | str | None:
+    """Where ``name`` is passed in ``call``: its position, or its keyword (None if not passed as itself)."""
+    for i, arg in enumerate(call.args):
+        if isinstance(arg, ast.Name) and arg.id == name:
+            return i
+    for kw in call.keywords:
+        if kw.arg is not None and isinstance(kw.value, ast.Name) and kw.value.id == name:
+            return kw.arg
+    return None
+
+
+# What a decoder layer does with the residual its loop feeds it (residual_convention).
+FUSED = "fused add-norm"  # reads it: the stream at the layer's input is hidden + residual
+DISCARDS = "discards the residual"  # post-LN, parallel blocks: the stream is the hidden state it is fed
+
+
+@dataclass
+class ResidualUse:
+    """What one decoder layer's ``forward`` does with its ``residual`` argument (:func:`residual_convention`)."""
+
+    convention: str  # FUSED, DISCARDS, or "" when the code does not tell
+    why: str  # one line: the statement that decides it, or why nothing does
+
+    @property
+    def known(self) -> bool:
+        return bool(self.convention)
+
+
+def _loads(node: ast.AST, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(node))
+
+
+def _stores(node: ast.AST, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(node))
+
+
+def _is_fused_norm_call(stmt: ast.stmt, hidden: str, residual: str) -> bool:
+    """``hidden, residual = self.<norm>(hidden, residual)``: vLLM's fused add-norm (the norm adds the residual)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple)):
+        return False
+    outs = [e.id for e in stmt.targets[0].elts if isinstance(e, ast.Name)]
+    call = stmt.value
+    if outs != [hidden, residual] or not isinstance(call, ast.Call) or call.keywords:
+        return False
+    args = [a.id for a in call.args if isinstance(a, ast.Name)]
+    return args == [hidden, residual] and isinstance(call.func, ast.Attribute) and ast.unparse(
+        call.func.value) == "self"
+
+
+def _none_test(test: ast.expr, name: str) -> str | None:
+    """"is" / "is not" for ``name is None`` / ``name is not None``; None for any other test."""
+    if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == name
+            and len(test.ops) == 1 and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value is None):
+        if isinstance(test.ops[0], ast.Is):
+            return "is"
+        if isinstance(test.ops[0], ast.IsNot):
+            return "is not"
+    return None
+
+
+def residual_convention(source: str, slot: int | str, hidden_slot: int | str | None) -> ResidualUse:
+    """What the decoder layer's ``forward`` in ``source`` does with the residual passed at ``slot`` (the loop's
+    argument position, or keyword; the hidden state at ``hidden_slot``), decided from the first statement that
+    touches it:
+
+    - it assigns the parameter from something else before ever reading it (``residual = hidden_states``: post-LN
+      and parallel blocks, Exaone-4, PhiMoE, Cohere): the layer discards what the loop feeds it, so the residual
+      stream at its input is the hidden state alone (DISCARDS);
+    - it reads it in vLLM's fused add-norm form, ``if residual is None: residual = hidden; ... else: hidden,
+      residual = self.norm(hidden, residual)`` (or that call alone): the stream is hidden + residual (FUSED);
+    - it never mentions it: DISCARDS;
+    - anything else: not known (``convention`` ""), with the statement in ``why``. Never a guess.
+    """
+    func = _function(source)
+    params = [a.arg for a in func.args.posonlyargs + func.args.args]
+    if params and params[0] == "self":
+        params = params[1:]
+    names = params + [a.arg for a in func.args.kwonlyargs]
+
+    def param(at: int | str | None) -> str | None:
+        if isinstance(at, int):
+            return params[at] if at < len(params) else None
+        return at if at in names else None
+
+    name, hidden = param(slot), param(hidden_slot)
+    if name is None or hidden is None:
+        return ResidualUse("", f"its forward's parameters {names} do not match the loop's call (*args or a wrapper)")
+    for stmt in func.body:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue  # docstring
+        if not (_loads(stmt, name) or _stores(stmt, name)):
+            continue
+        line = _first_line(stmt)
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and not _loads(stmt, name):
+            return ResidualUse(DISCARDS, f"`{line}` overwrites `{name}` before reading it")
+        if _is_fused_norm_call(stmt, hidden, name):
+            return ResidualUse(FUSED, f"`{line}` adds `{name}` in the fused norm")
+        if isinstance(stmt, ast.If) and _none_test(stmt.test, name) is not None:
+            given = stmt.orelse if _none_test(stmt.test, name) == "is" else stmt.body
+            first = next((s for s in given if _loads(s, name) or _stores(s, name)), None)
+            if first is not None and _is_fused_norm_call(first, hidden, name):
+                return ResidualUse(FUSED, f"`{_first_line(first)}` adds `{name}` in the fused norm")
+        return ResidualUse("", f"`{line}`: not a pattern whose stream is known (fused add-norm, or overwritten "
+                               "before it is read)")
+    return ResidualUse(DISCARDS, f"its forward never reads `{name}`")
 
 
 class _Returns(ast.NodeTransformer):
@@ -216,7 +337,8 @@ def rewrite_forward(source: str, loop: LayerLoop | None = None) -> str:
     """The forward in ``source`` with EAGLE-3 aux collection added (vLLM's id semantics), as source text.
 
     For a global layer id k in ``self.aux_hidden_state_layers`` it collects the stream at the input of layer k
-    (``hidden + residual``, or ``hidden`` where residual is None or absent); the id one past the loop's last
+    (``hidden + residual``; ``hidden`` where residual is None or absent, or where the layers discard the
+    residual they are fed: ``loop.stream_adds_residual`` False); the id one past the loop's last
     layer gives the final pre-norm state. States come back in ascending id order, as vLLM's own forwards give
     them, and the forward returns ``(hidden_states, aux)`` whenever aux is not empty (a tensor result only:
     pipeline hand-offs pass through). ValueError when the loop is not one :func:`analyse_forward` accepts.
@@ -225,7 +347,7 @@ def rewrite_forward(source: str, loop: LayerLoop | None = None) -> str:
     if not loop.ok or loop.collects_aux:
         raise ValueError(f"cannot rewrite this forward: {loop.reason}")
     func = _function(source)
-    residual = loop.residual or "None"
+    residual = loop.residual if loop.residual and loop.stream_adds_residual else "None"
     state = f"{STATE_HELPER}({loop.hidden}, {residual})"
     own = _own_nodes(func)
     target = next(n for n in own if isinstance(n, ast.For) and n.lineno == loop.line)

@@ -12,6 +12,7 @@ natively) is skipped there with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from types import SimpleNamespace
@@ -42,6 +43,12 @@ PATCHABLE = {
     "ArcticForCausalLM": (ISLICE, None, "plain"),
     # its layers return (stream, a mid-layer residual) that the loop binds to `residual` but never feeds back
     "StableLmForCausalLM": (ISLICE, None, "pair"),
+    # post-LN: the layer overwrites the residual it is fed (`residual = hidden_states`) and returns (stream,
+    # mid-layer stream); the loop feeds that second output back, but the stream at a layer's input is hidden alone
+    "Exaone4ForCausalLM": (ISLICE, "residual", "post_ln"),
+    "PhiMoEForCausalLM": (ISLICE, "residual", "post_ln"),
+    # parallel attention + MLP block (Cohere): returns (residual + attn + mlp, the layer's input)
+    "CohereForCausalLM": (ISLICE, "residual", "parallel"),
 }
 
 _INDEX = ("its forward indexes self.layers[...] inside `for ... in range(self.start_layer, self.end_layer)` "
@@ -111,7 +118,27 @@ class _Missing:
         raise AssertionError("a layer of another pipeline rank ran")
 
 
-_STUBS = {"fused": _Fused, "plain": _Plain, "pair": _Pair}
+class _PostLN(_Fused):
+    """A post-LN layer (Exaone-4, PhiMoE): ignores the residual it is fed; returns (stream, mid-layer stream)."""
+
+    def __call__(self, positions, hidden_states, residual, **kwargs):
+        self.seen[self.k] = hidden_states.clone()
+        mid = hidden_states + torch.tanh(hidden_states * self.w)
+        return mid + torch.sin(mid), mid
+
+
+class _Parallel(_Fused):
+    """A parallel block (Cohere): ignores the residual it is fed; returns (input + attn + mlp, input)."""
+
+    def __call__(self, positions, hidden_states, residual, **kwargs):
+        self.seen[self.k] = hidden_states.clone()
+        return hidden_states + torch.tanh(hidden_states * self.w) + torch.sin(hidden_states), hidden_states
+
+
+_STUBS = {"fused": _Fused, "plain": _Plain, "pair": _Pair, "post_ln": _PostLN, "parallel": _Parallel}
+# Families whose layers discard the residual also carry none into the final norm: Exaone-4 and PhiMoE call
+# norm(hidden) alone; Cohere's LayerNorm takes the residual argument and ignores it.
+_DISCARDS = ("post_ln", "parallel")
 
 
 def _fake(kind: str, start: int, end: int, aux=()) -> SimpleNamespace:
@@ -119,7 +146,7 @@ def _fake(kind: str, start: int, end: int, aux=()) -> SimpleNamespace:
     emb = torch.randn(32, DIM, generator=torch.Generator().manual_seed(0), dtype=DT)
 
     def norm(hidden_states, residual=None):
-        stream = hidden_states if residual is None else hidden_states + residual
+        stream = hidden_states if residual is None or kind in _DISCARDS else hidden_states + residual
         seen[N] = stream.clone()
         return stream * 2.0 if residual is None else (stream * 2.0, stream)
 
@@ -149,7 +176,12 @@ def test_real_forward_is_analysed_and_compiles(arch):
     assert f"`for ... in {form}`" in p.reason and "\n" not in p.reason
     src = inspect.getsource(inspect.unwrap(owner.__dict__["forward"]))
     loop = layer_loop.analyse_forward(src)
-    assert loop == p.loop
+    # the plan adds what the decoder layers' own forwards say about the residual; the loop itself is the same
+    assert loop == dataclasses.replace(p.loop, stream_adds_residual=True, convention="")
+    kind = PATCHABLE[arch][2]
+    assert p.loop.stream_adds_residual == (kind == "fused"), p.loop.convention
+    if kind in _DISCARDS:
+        assert p.loop.convention.startswith(layer_loop.DISCARDS), p.loop.convention
     assert loop.ok and not loop.collects_aux and loop.form == form and loop.hidden == "hidden_states"
     assert loop.residual == residual and loop.start == ("0" if form == "self.layers" else "self.start_layer")
     compile(layer_loop.rewrite_forward(src), f"<{arch}>", "exec")

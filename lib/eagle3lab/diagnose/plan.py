@@ -90,18 +90,105 @@ def _class(level: Level) -> type:
     return getattr(sys.modules[level.module], level.class_name)
 
 
-def decoder_layer_classes(inner: type) -> list[type]:
-    """The classes the inner model's ``__init__`` names in its ``self.layers = ...`` statement."""
+def decoder_layer_classes(inner: type, callers: list[type] | None = None) -> list[type]:
+    """The decoder layer classes that the inner model's ``self.layers = ...`` statement builds.
+
+    A name there is a class of the model's module, or a parameter of the ``__init__`` that builds the layers
+    (``layer_type`` in Llama's family): then the class is what a subclass of the inner model passes for it
+    (``super().__init__(..., layer_type=X)``), else what a caller passes (the levels above, ``callers``:
+    ``InnerModel(..., layer_type=X)``), else the parameter's default. Names that resolve to nothing are left out.
+    """
     init, env = _defining_init(inner)
     value = _self_assignments(init).get(layer_loop.LAYERS)
-    if value is None:
+    if value is None or init is None:
         return []
-    found = []
+    params = {a.arg: a for a in init.args.posonlyargs + init.args.args + init.args.kwonlyargs}
+    found: list[type] = []
     for node in ast.walk(value):
-        obj = env.get(node.id) if isinstance(node, ast.Name) else None
+        if not isinstance(node, ast.Name):
+            continue
+        obj = env.get(node.id)
+        if obj is None and node.id in params:
+            obj = _argument_class(node.id, init, inner, callers or [])
         if isinstance(obj, type) and obj not in found and hasattr(obj, "forward"):
             found.append(obj)
     return found
+
+
+def _keyword_class(klass: type, keyword: str, callee: str | None = None) -> type | None:
+    """The class passed as ``keyword=X`` in a call inside ``klass``'s own ``__init__`` (to ``callee`` only, if
+    given: a call whose function's name ends with it), resolved in its module; None if there is none."""
+    if "__init__" not in klass.__dict__:
+        return None
+    init, env = _defining_init(klass)
+    for node in ast.walk(init) if init is not None else []:
+        if not isinstance(node, ast.Call):
+            continue
+        if callee is not None and ast.unparse(node.func).split(".")[-1] != callee:
+            continue
+        for kw in node.keywords:
+            if kw.arg == keyword and isinstance(kw.value, (ast.Name, ast.Attribute)):
+                obj = env.get(kw.value.id) if isinstance(kw.value, ast.Name) else None
+                if isinstance(obj, type):
+                    return obj
+    return None
+
+
+def _argument_class(param: str, init: ast.FunctionDef, inner: type, callers: list[type]) -> type | None:
+    """The class bound to ``init``'s parameter ``param`` when ``inner`` is built (see decoder_layer_classes)."""
+    for klass in inner.__mro__:  # a subclass between inner and the defining class passes it up
+        if klass is object:
+            break
+        found = _keyword_class(klass, param, callee="__init__")
+        if found is not None:
+            return found
+    for caller in callers:
+        for klass in caller.__mro__:
+            if klass is object:
+                break
+            found = _keyword_class(klass, param, callee=inner.__name__)
+            if found is not None:
+                return found
+    args = init.args
+    defaults = dict(zip([a.arg for a in (args.posonlyargs + args.args)][::-1], args.defaults[::-1]))
+    defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None})
+    default = defaults.get(param)
+    if isinstance(default, ast.Name):
+        module = sys.modules.get(next((k.__module__ for k in inner.__mro__ if "__init__" in k.__dict__),
+                                      inner.__module__))
+        owner_env = vars(module) if module else {}
+        _, env = _defining_init(inner)
+        obj = env.get(default.id, owner_env.get(default.id))
+        return obj if isinstance(obj, type) else None
+    return None
+
+
+def stream_convention(layer_classes: list[type], loop: layer_loop.LayerLoop) -> tuple[bool | None, str]:
+    """Whether the residual stream at a layer's input is hidden + residual (True) or hidden alone (False), read
+    from every decoder layer class's own forward (:func:`eagle3lab.layer_loop.residual_convention`), with the
+    reason in one line; None when it cannot be told (no layer class found, a forward without source, layers that
+    disagree, or a pattern whose stream is not known)."""
+    if loop.residual is None:
+        return False, "return the stream itself, no separate residual"
+    if not layer_classes:
+        return None, ("the class of its decoder layers cannot be read from `self.layers = ...` (chosen at run time "
+                      "or through a table), so what its layers do with the residual is unknown")
+    if loop.residual_arg is None:
+        return None, f"its loop does not pass `{loop.residual}` to the layer as itself"
+    seen: dict[str, list[str]] = {}
+    for cls in layer_classes:
+        owner = _forward_owner(cls)
+        src = _source_of(inspect.unwrap(owner.__dict__["forward"])) if "forward" in owner.__dict__ else None
+        if src is None:
+            return None, f"{cls.__name__}.forward has no readable source"
+        use = layer_loop.residual_convention(src, loop.residual_arg, loop.hidden_arg)
+        if not use.known:
+            return None, f"{owner.__name__}.forward: what it does with the residual is unknown: {use.why}"
+        seen.setdefault(use.convention, []).append(f"{owner.__name__} ({use.why})")
+    if len(seen) > 1:
+        return None, "its decoder layers differ: " + "; ".join(f"{c}: {', '.join(v)}" for c, v in seen.items())
+    (convention, where), = seen.items()
+    return convention == layer_loop.FUSED, f"{convention}: {where[0]}"
 
 
 def _multi_attention(layer_cls: type) -> str | None:
@@ -137,7 +224,8 @@ def plan_for(cls: type, text_architectures: list[str] | None = None, levels: lis
                       "under another name (self.h, self.blocks, ...), its text model is chosen only by a config, or "
                       "it has no text model; the patch rewrites loops over self.layers only")
     inner = _class(inner_level)
-    for layer_cls in decoder_layer_classes(inner):
+    layer_classes = decoder_layer_classes(inner, [_class(lv) for lv in levels[: inner_level.depth]])
+    for layer_cls in layer_classes:
         attr = _multi_attention(layer_cls)
         if attr is not None:
             return refuse(f"{layer_cls.__name__}.{attr} is a ModuleList: each decoder layer runs several attention "
@@ -156,6 +244,13 @@ def plan_for(cls: type, text_architectures: list[str] | None = None, levels: lis
         if not loop.ok:
             return refuse(f"{owner.__name__}.forward: {loop.reason}", inner=inner.__name__, loop=loop)
         forward = None if loop.collects_aux else "rewrite"
+        if forward == "rewrite":
+            adds, why = stream_convention(layer_classes, loop)
+            if adds is None:
+                return refuse(f"{owner.__name__}: {why}; the aux states would be a guess", inner=inner.__name__,
+                              loop=loop)
+            loop.stream_adds_residual = adds
+            loop.convention = why
     steps = []
     for lv in levels[: inner_level.depth]:
         if lv.supports_eagle3:
@@ -172,7 +267,9 @@ def plan_for(cls: type, text_architectures: list[str] | None = None, levels: lis
         return PatchPlan(cls.__name__, "native", f"{names[0]} supports EAGLE-3 as installed", names, **common)
     what = [f"SupportsEagle3 on {', '.join(s.owner for s in steps)}"] if steps else []
     if forward == "rewrite":
-        what.append(f"aux collection added to {owner.__name__}.forward's loop `for ... in {loop.form}`")
+        state = f"{loop.hidden} + {loop.residual}" if loop.residual and loop.stream_adds_residual else loop.hidden
+        what.append(f"aux collection added to {owner.__name__}.forward's loop `for ... in {loop.form}` "
+                    f"(stream at a layer's input: `{state}`; decoder layers: {loop.convention.split(':')[0]})")
     elif forward == "deepseek":
         what.append(f"{owner.__name__}.forward replaced by the hand-written DeepSeek-V2 forward")
     return PatchPlan(cls.__name__, "patchable", "; ".join(what), names, interface=steps, **common)

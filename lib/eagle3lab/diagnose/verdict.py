@@ -186,7 +186,9 @@ def _plan(plan: PatchPlan, gates: list[Gate]) -> list[PlanStep]:
             "(id == num_layers: the final pre-norm state), and give it aux_hidden_state_layers = ()",
         ))
     elif plan.forward == "rewrite" and plan.loop is not None:
-        res = f"{plan.loop.hidden} + {plan.loop.residual}" if plan.loop.residual else plan.loop.hidden
+        lp = plan.loop
+        res = f"{lp.hidden} + {lp.residual}" if lp.residual and lp.stream_adds_residual else lp.hidden
+        res += f" (decoder layers: {lp.convention})" if lp.convention else ""
         steps.append(PlanStep(
             "rewrite_forward", plan.forward_owner or "",
             f"add aux collection to the installed {plan.forward_owner}.forward: in its loop `for ... in "

@@ -39,7 +39,7 @@ class EngineAuxSource:
     be missing.
     """
 
-    def __init__(self, engine: Any, probe_drafter: str | Path) -> None:
+    def __init__(self, engine: Any, probe_drafter: str | Path, num_speculative_tokens: int = 1) -> None:
         opts = engine.options
         if opts.get("enable_prefix_caching", True):
             raise ValueError("in-engine extraction needs enable_prefix_caching=False in the engine's options")
@@ -52,6 +52,9 @@ class EngineAuxSource:
         drafter_cfg = json.loads((self.probe_drafter / "config.json").read_text())
         self.aux_layer_ids = sorted(drafter_cfg["eagle_aux_hidden_state_layer_ids"])
         self.max_len = int(opts.get("max_model_len") or 0)
+        # the speculative config the capture runs under: with the k of a later speculative_generate on the same
+        # drafter, both share one engine start (patch --prove)
+        self.num_speculative_tokens = num_speculative_tokens
         self._llm: Any = None
 
     def fingerprint(self) -> str:
@@ -59,7 +62,7 @@ class EngineAuxSource:
         return provenance.checkpoint_fingerprint(self.engine.target_path)
 
     def _live(self) -> Any:
-        llm = self.engine.llm(self.engine.eagle3_config(self.probe_drafter, 1))
+        llm = self.engine.llm(self.engine.eagle3_config(self.probe_drafter, self.num_speculative_tokens))
         if llm is not self._llm:  # a (re)started engine: install the capture in its workers
             llm.apply_model(install_aux_capture)
             self._llm = llm
