@@ -507,3 +507,125 @@ def test_aux_out_passes_non_tensors_through():
     assert layer_loop.aux_out(t, [t])[1] == [t]
     handoff = {"hidden_states": t}
     assert layer_loop.aux_out(handoff, [t]) is handoff
+
+
+# ---- what a decoder layer does with the residual it is fed (residual_convention) -----------------------------
+# Sources in the shapes of vLLM 0.26's decoder layers: the convention decides whether aux id k is hidden + residual
+# or hidden alone, so each shape must land on the right side, and anything else must say it cannot tell.
+
+_FUSED = '''
+def forward(self, positions, hidden_states, residual):
+    if residual is None:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+    else:
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)
+    hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+    return self.mlp(hidden_states), residual
+'''
+_FUSED_HIDDEN_FIRST = _FUSED.replace("positions, hidden_states, residual", "hidden_states, positions, residual")
+_POST_LN = '''
+def forward(self, positions, hidden_states, residual):
+    """Exaone-4."""
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states))
+    hidden_states = hidden_states + residual
+    residual = hidden_states
+    hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
+    return residual + hidden_states, residual
+'''
+_PARALLEL = '''
+def forward(self, positions, hidden_states, residual):
+    residual = hidden_states
+    hidden_states, residual = self.input_layernorm(hidden_states, residual)
+    attn = self.self_attn(positions=positions, hidden_states=hidden_states)
+    return residual + attn + self.mlp(hidden_states), residual
+'''
+_NEVER_READ = '''
+def forward(self, positions, hidden_states, residual):
+    out = hidden_states + self.mlp(self.input_layernorm(hidden_states))
+    return out, None
+'''
+_ADDED_BY_HAND = '''
+def forward(self, positions, hidden_states, residual):
+    if residual is not None:
+        hidden_states = hidden_states + residual
+    return self.mlp(hidden_states), hidden_states
+'''
+_DELEGATES = '''
+def forward(self, positions, hidden_states, residual):
+    return super().forward(positions, hidden_states, residual)
+'''
+
+
+@pytest.mark.parametrize(("source", "slot", "hidden", "convention", "quote"), [
+    (_FUSED, 2, 1, layer_loop.FUSED, "self.input_layernorm(hidden_states, residual)"),
+    (_FUSED_HIDDEN_FIRST, 2, 0, layer_loop.FUSED, "self.input_layernorm(hidden_states, residual)"),
+    (_FUSED, "residual", "hidden_states", layer_loop.FUSED, "self.input_layernorm"),
+    (_POST_LN, 2, 1, layer_loop.DISCARDS, "`residual = hidden_states` overwrites `residual` before reading it"),
+    (_PARALLEL, 2, 1, layer_loop.DISCARDS, "`residual = hidden_states` overwrites"),
+    (_NEVER_READ, 2, 1, layer_loop.DISCARDS, "never reads `residual`"),
+])
+def test_residual_convention_is_read_from_the_layer(source, slot, hidden, convention, quote):
+    use = layer_loop.residual_convention(source, slot, hidden)
+    assert use.known and use.convention == convention, use
+    assert quote in use.why and "\n" not in use.why
+
+
+@pytest.mark.parametrize(("source", "slot", "hidden", "quote"), [
+    (_ADDED_BY_HAND, 2, 1, "if residual is not None:"),  # plausibly hidden + residual, but not a known pattern
+    (_DELEGATES, 2, 1, "return super().forward"),
+    (_FUSED, 5, 1, "do not match the loop's call"),
+])
+def test_residual_convention_unknown_is_said_not_guessed(source, slot, hidden, quote):
+    use = layer_loop.residual_convention(source, slot, hidden)
+    assert not use.known and use.convention == ""
+    assert quote in use.why and "\n" not in use.why
+
+
+class _PostLNLayer(nn.Module):
+    """A post-LN layer: discards the residual it is fed, returns (stream, mid-layer stream)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.w = _weight(seed)
+
+    def forward(self, positions, hidden_states, residual):
+        mid = hidden_states + torch.tanh(hidden_states @ self.w)
+        return mid + torch.sin(mid @ self.w), mid
+
+
+class _PostLNModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_PostLNLayer(k) for k in range(N_LAYERS))
+        self.start_layer, self.end_layer = 0, N_LAYERS
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+
+    def forward(self, hidden_states, positions):
+        residual = None
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        return hidden_states * 2.0
+
+
+@pytest.mark.parametrize("adds", [False, True])
+def test_rewrite_follows_the_convention(adds):
+    """With the layers' convention (hidden alone) the aux states are the streams each layer receives; with the
+    fused-add rule applied to these layers they are not: the check can tell the two apart."""
+    model = _PostLNModel()
+    src = inspect.getsource(_PostLNModel.forward)
+    loop = layer_loop.analyse_forward(src)
+    assert loop.ok and loop.residual == "residual" and loop.residual_arg == 2 and loop.hidden_arg == 1
+    loop.stream_adds_residual = adds
+    env: dict = dict(globals())
+    exec(compile(layer_loop.rewrite_forward(textwrap.dedent(src), loop), "<rewritten>", "exec"), env)
+    seen: dict[int, torch.Tensor] = {}
+    for k, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(lambda _m, args, k=k: seen.__setitem__(k, args[1].clone()))
+    model.aux_hidden_state_layers = (1, 3)
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(3), dtype=DT)
+    _, aux = env["forward"](model, x, torch.arange(4))
+    same = [torch.equal(a, seen[k]) for k, a in zip((1, 3), aux, strict=True)]
+    assert same == [not adds, not adds]

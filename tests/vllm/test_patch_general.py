@@ -242,3 +242,27 @@ def test_refused_with_its_reason(arch):
     assert p.verdict == "unsupported" and p.inner == inner
     assert p.reason == f"{inner}.forward: {reason}"
     assert "\n" not in p.reason and p.loop is not None and not p.loop.ok
+
+
+# Inner models whose `self.layers = ...` names a parameter of their __init__ (Llama's `layer_type`), bound by a
+# subclass's super().__init__(..., layer_type=X) or a caller: the convention is read from the class really built.
+LAYER_CLASS_BY_PARAMETER = {
+    "OlmoeForCausalLM": ("OlmoeDecoderLayer", layer_loop.FUSED),
+    "SeedOssForCausalLM": ("SeedOssDecoderLayer", layer_loop.FUSED),
+    "HyperCLOVAXForCausalLM": ("HyperCLOVAXDecoderLayer", layer_loop.DISCARDS),
+}
+
+
+@pytest.mark.parametrize("arch", list(LAYER_CLASS_BY_PARAMETER))
+def test_layer_class_chosen_through_a_parameter(arch):
+    from eagle3lab.diagnose.plan import decoder_layer_classes
+
+    cls = _load(arch)
+    p = plan_for(cls)
+    if p.verdict == "native":
+        pytest.skip(f"{arch} supports EAGLE-3 natively on vLLM {vllm_compat.vllm_version()}")
+    layer, convention = LAYER_CLASS_BY_PARAMETER[arch]
+    inner = next(k for lv in level_chain(cls, []) for k in patch._level_class(lv).__mro__ if k.__name__ == p.inner)
+    callers = [patch._level_class(lv) for lv in level_chain(cls, [])]
+    assert [c.__name__ for c in decoder_layer_classes(inner, callers)] == [layer]
+    assert p.verdict == "patchable" and p.loop.convention.startswith(convention), p.loop.convention
