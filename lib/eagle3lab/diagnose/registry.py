@@ -191,3 +191,51 @@ def write_registry_csv(rows: list[RegistryRow], path: str | Path) -> Path:
         for r in rows:
             writer.writerow([r.architecture, r.kind, r.module, r.class_name, r.status, r.reason, r.levels])
     return out
+
+
+# ---- the proof matrix (benchmarks/patch-matrix-<date>.json, made by benchmarks/tools/patch_matrix.py) ----------
+# "patchable" above is read from the code; the matrix says which of those a real engine proved
+# (eagle3lab patch --prove): the four columns of truth are native / proven / patchable but unproven / not patchable.
+TRUTH = ("native", "proven", "patchable, unproven", "not patchable", NOT_LOADABLE)
+
+
+def latest_proof_matrix(folder: str | Path) -> Path | None:
+    """The newest ``patch-matrix-*.json`` in ``folder`` (by name: the date is in it), or None."""
+    found = sorted(Path(folder).glob("patch-matrix-*.json"))
+    return found[-1] if found else None
+
+
+def read_proof_matrix(path: str | Path) -> dict[str, Any]:
+    """The matrix file as written (``registry_vllm``, ``proving_vllm``, ``rows``: one per architecture)."""
+    import json
+
+    return json.loads(Path(path).read_text())
+
+
+def truth_of(row: RegistryRow, proofs: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """(column, why) of one registry row given the matrix's rows by architecture: a patchable row is "proven"
+    only when ``patch --prove`` passed for it; otherwise "patchable, unproven" with the proof's reason (or "not in
+    the proof matrix"). A proof that failed keeps the row out of "proven" and says why."""
+    if row.status != "patchable":
+        return row.status, row.reason
+    proof = proofs.get(row.architecture)
+    if proof is None:
+        return "patchable, unproven", "not in the proof matrix"
+    if proof["status"] == "proven":
+        return "proven", f"aux states within {proof['aux_max_rel_diff']:.1g} of transformers', greedy equal"
+    return "patchable, unproven", f"{proof['status']}: {proof['reason']}"
+
+
+def truth_counts(rows: list[RegistryRow], proofs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per kind, then "all": how many rows in each column of :data:`TRUTH`."""
+    out = []
+    for kind in (*sorted({r.kind for r in rows}), "all"):
+        c = Counter(truth_of(r, proofs)[0] for r in rows if kind in ("all", r.kind))
+        out.append({"kind": kind, **{col: c[col] for col in TRUTH}})
+    return out
+
+
+def unproven_rows(rows: list[RegistryRow], proofs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows called patchable that no engine has proven, each with why (the proof's own reason)."""
+    return [{"architecture": r.architecture, "kind": r.kind, "why unproven": truth_of(r, proofs)[1]}
+            for r in rows if truth_of(r, proofs)[0] == "patchable, unproven"]
