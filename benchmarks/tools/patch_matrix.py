@@ -46,6 +46,8 @@ def cmd_prove(registry: Path, out: Path, work: Path, only: list[str] | None, in_
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     reg = json.loads(registry.read_text())
     todo = [r for r in reg["rows"] if r["status"] == "patchable" and (not only or r["architecture"] in only)]
+    if only:  # in the order given: the families that matter most first, when a session cannot run them all
+        todo.sort(key=lambda r: only.index(r["architecture"]))
     record = json.loads(out.read_text()) if out.is_file() else {
         "what": "eagle3lab patch --prove over every architecture that vLLM " + reg["vllm_version"]
                 + " calls patchable (diagnose's verdict), proven in real engines of the vLLM below",
@@ -87,7 +89,7 @@ def main() -> None:
     b.add_argument("registry", type=Path)
     b.add_argument("out", type=Path)
     b.add_argument("--work", type=Path, default=Path("/tmp/patch-matrix"))
-    b.add_argument("--only", help="comma-separated architectures")
+    b.add_argument("--only", help="comma-separated architectures, proven in this order")
     b.add_argument("--in-process", action="store_true")
     args = ap.parse_args()
     if args.cmd == "list":

@@ -138,11 +138,20 @@ def _own_nodes(func: ast.FunctionDef) -> list[ast.AST]:
     return out
 
 
+def _collects_aux(func: ast.FunctionDef) -> bool:
+    """vLLM's own collection: the forward reads ``self.aux_hidden_state_layers`` and appends to a list inside its
+    layer loop (a comment or a name that merely mentions aux states is not enough)."""
+    reads_ids = any(isinstance(n, ast.Attribute) and n.attr == "aux_hidden_state_layers"
+                    and isinstance(n.value, ast.Name) and n.value.id == "self" for n in ast.walk(func))
+    appends = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "append"
+                  and "aux" in ast.unparse(n.func.value) for n in ast.walk(func))
+    return reads_ids and appends
+
+
 def analyse_forward(source: str) -> LayerLoop:
     """Whether the forward in ``source`` runs a decoder-layer loop that :func:`rewrite_forward` can extend."""
     func = _function(source)
-    text = ast.unparse(func)
-    if "aux_hidden_state" in text:
+    if _collects_aux(func):
         return LayerLoop(ok=True, collects_aux=True, reason="its forward already collects aux hidden states")
     nodes = _own_nodes(func)
     loops = [n for n in nodes if isinstance(n, ast.For) and _mentions_self_layers(n.iter)]

@@ -86,6 +86,14 @@ def _is_hybrid(levels: list[Level]) -> str | None:
     return None
 
 
+def _is_attention_free(levels: list[Level]) -> str | None:
+    """vLLM's IsAttentionFree (Mamba-only models): the first level that declares it."""
+    for lv in levels:
+        if getattr(_class(lv), "is_attention_free", False) is True:
+            return lv.class_name
+    return None
+
+
 def _class(level: Level) -> type:
     return getattr(sys.modules[level.module], level.class_name)
 
@@ -219,6 +227,10 @@ def plan_for(cls: type, text_architectures: list[str] | None = None, levels: lis
     if hybrid is not None:
         return refuse(f"{hybrid} is a hybrid model (vLLM's IsHybrid: linear-attention or SSM layers with recurrent "
                       "state): not patched, since EAGLE-3 drafting over its recurrent state is not verified here")
+    free = _is_attention_free(levels)
+    if free is not None:
+        return refuse(f"{free} is attention-free (vLLM's IsAttentionFree: SSM layers only, recurrent state): not "
+                      "patched, since EAGLE-3 drafting over its recurrent state is not verified here")
     if inner_level is None:
         return refuse(f"no class in the chain {' -> '.join(names)} builds self.layers: its decoder layers live "
                       "under another name (self.h, self.blocks, ...), its text model is chosen only by a config, or "

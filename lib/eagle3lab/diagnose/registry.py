@@ -130,7 +130,8 @@ def registry_counts(rows: list[RegistryRow]) -> list[RegistryCounts]:
 
 # Reasons differ in class names and source text; these patterns group them by cause.
 _REASON_GROUPS = (
-    ("hybrid model (recurrent state)", re.compile(r"hybrid model")),
+    ("hybrid or attention-free model (recurrent state)", re.compile(r"hybrid model|attention-free")),
+    ("decoder layers' residual use unknown", re.compile(r"aux states would be a guess")),
     ("several attention sublayers per layer", re.compile(r"several attention")),
     ("index loop over self.layers[i]", re.compile(r"indexes self\.layers")),
     ("no loop over self.layers in forward", re.compile(r"no loop over self\.layers")),
