@@ -45,6 +45,21 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def cpu_kernels() -> dict[str, str | bool]:
+    """What decides the CPU's float32 kernel paths: torch's ATen capability (DEFAULT / AVX2 / AVX512) and whether
+    the CPU has AVX-512 at all. The same code and seed train a different target on machines whose paths differ
+    (issue 35), so a record must say which it ran on."""
+    import torch
+
+    flags = ""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    return {"aten_cpu_capability": torch.backends.cpu.get_cpu_capability(), "avx512f": " avx512f" in flags,
+            "amx": " amx_tile" in flags}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", default=str(ROOT / "params" / "embedded.yaml"))
@@ -70,7 +85,7 @@ def main() -> int:
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30, 1),
-                    "python": platform.python_version()},
+                    "python": platform.python_version(), **cpu_kernels()},
         "packages": package_versions(),
         "command": " ".join(cmd[1:]),
         "exit_code": child.returncode,

@@ -162,13 +162,16 @@ def _cmd_patch(a: argparse.Namespace) -> int:
         raise RuntimeError("vLLM is not installed in this environment: nothing to check")
     if a.prove:
         return _cmd_prove(a)
-    p = params.load(a.params or params_default(), a.overrides)
+    if a.params or a.overrides or Path(params_default()).is_file():
+        p = params.load(a.params or params_default(), a.overrides)
+        apply, force, legacy = p.patch.apply, p.patch.force, p.patch.legacy_simulation
+    else:  # outside a checkout (a user's own folder): the patch as the plugin applies it, no simulation
+        apply, force, legacy = True, False, False
     try:
         vllm_compat.load_model_class(target_info(a.check).architecture)
     except ValueError as exc:  # an architecture this vLLM does not have is the user's input
         raise InputError([("patch --check", str(exc))]) from None
-    d = patch_check.check(a.check, apply=p.patch.apply, force=p.patch.force,
-                          legacy_simulation=p.patch.legacy_simulation)
+    d = patch_check.check(a.check, apply=apply, force=force, legacy_simulation=legacy)
     print(json.dumps(d, indent=2) if a.json else patch_check.format_check(d))
     return EXIT_OK if d.get("ok", True) else EXIT_NO
 

@@ -396,3 +396,14 @@ def test_cli_exit_codes(tmp_path):
                         capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert json.loads(ok.stdout)["after"]["supports_eagle3"] is True
+
+
+def test_cli_patch_check_outside_a_checkout(tmp_path):
+    """A user's own folder has no params/embedded.yaml: patch --check applies the patch as the plugin does
+    (apply, no simulation) instead of failing on the missing default profile (it exited 2 before)."""
+    env = {k: v for k, v in os.environ.items() if k != "EAGLE3LAB_ROOT"}
+    res = subprocess.run([sys.executable, "-m", "eagle3lab", "patch", "--check", "DeepseekV3ForCausalLM", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    d = json.loads(res.stdout)
+    assert d["after"]["supports_eagle3"] is True and d["legacy_simulation"] is False
