@@ -51,11 +51,10 @@ def cpu_kernels() -> dict[str, str | bool]:
     (issue 35), so a record must say which it ran on."""
     import torch
 
-    flags = ""
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
-        pass
+        flags = ""
     return {"aten_cpu_capability": torch.backends.cpu.get_cpu_capability(), "avx512f": " avx512f" in flags,
             "amx": " amx_tile" in flags}
 
