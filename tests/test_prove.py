@@ -96,3 +96,13 @@ def test_patch_prove_in_a_real_engine(arch, in_process, tmp_path):
     assert d["served"] is True and d["greedy_equal"] is True
     assert d["aux_max_rel_diff"] < prove.AUX_TOL and d["neighbour_min_rel"] > prove.NEIGHBOUR_MIN
     assert "(ours)" in checks["patched engine serves"]["detail"]
+
+
+def test_tiny_config_keeps_a_users_structure(tmp_path):
+    """From a user's config.json the tiny model keeps its structural choices and takes only the small widths."""
+    user = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 5120,
+            "num_hidden_layers": 92, "partial_rotary_factor": 0.5, "attention_bias": True, "torch_dtype": "bfloat16",
+            "routed_scaling_factor": 2.5}
+    cfg = prove.tiny_config("glm4_moe", base=user)
+    assert cfg.hidden_size == 128 and cfg.num_hidden_layers == prove.NUM_LAYERS
+    assert cfg.attention_bias is True and cfg.routed_scaling_factor == 2.5

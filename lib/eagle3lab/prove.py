@@ -33,7 +33,7 @@ import torch
 from eagle3lab import patch, vllm_compat
 from eagle3lab import target as T
 from eagle3lab import target_loading as TL
-from eagle3lab.diagnose.target_info import target_info
+from eagle3lab.diagnose.target_info import read_json_config, target_info
 from eagle3lab.engines.capture import EngineAuxSource
 from eagle3lab.engines.launch_probe import probe_launch, random_probe_drafter
 from eagle3lab.engines.vllm_offline import VllmEngine
@@ -116,53 +116,65 @@ def transformers_model_type(arch: str) -> tuple[str | None, str]:
     import transformers
     from transformers.models.auto import modeling_auto as ma
 
-    for table in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
-                  "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES", "MODEL_MAPPING_NAMES"):
-        for model_type, names in getattr(ma, table, {}).items():
-            names = names if isinstance(names, (list, tuple)) else [names]
-            if arch in names:
-                return model_type, table
+    tables = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+              "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+    # exact first; then ignoring case, for names that the remote-code checkpoints spelled otherwise than
+    # transformers' own port (PhiMoEForCausalLM in vLLM and Phi-3.5-MoE's config, PhimoeForCausalLM in transformers)
+    for same in (str.__eq__, lambda a, b: a.lower() == b.lower()):
+        for table in tables:
+            for model_type, names in getattr(ma, table, {}).items():
+                names = names if isinstance(names, (list, tuple)) else [names]
+                if any(same(arch, n) for n in names):
+                    return model_type, table
     return None, (f"transformers {transformers.__version__} has no class {arch} (its checkpoints need remote code "
                   "or another library), so no tiny model of it can be built here")
 
 
-def tiny_config(model_type: str, overrides: dict[str, Any] | None = None) -> Any:
-    """transformers' config of ``model_type`` with :data:`SMALL` widths (only keys the class has) and ``overrides``."""
+# keys of a user's config.json that must not reach the tiny model: where the weights came from, how they are stored
+_NOT_STRUCTURE = ("architectures", "auto_map", "torch_dtype", "dtype", "quantization_config", "_name_or_path",
+                  "transformers_version", "model_type", "name_or_path")
+
+
+def tiny_config(model_type: str, overrides: dict[str, Any] | None = None, base: dict[str, Any] | None = None) -> Any:
+    """transformers' config of ``model_type`` (or of ``base``, a user's config.json as a dict: every structural
+    choice kept) with :data:`SMALL` widths (only keys the class has) and ``overrides``."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
+    kept = {k: v for k, v in (base or {}).items() if k not in _NOT_STRUCTURE and not isinstance(v, dict)}
+    default = AutoConfig.for_model(model_type, **kept)
     # head_dim always: vLLM reads it from configs whose transformers class derives it (Glm4MoeConfig in 5.19);
     # 32 = hidden 128 / 4 heads anyway
     kw = {k: v for k, v in SMALL.items() if hasattr(default, k) or k == "head_dim"}
     kw.update(overrides or {})
-    cfg = AutoConfig.for_model(model_type, **kw)
+    cfg = AutoConfig.for_model(model_type, **{**kept, **kw})
     if hasattr(cfg, "layer_types") and isinstance(cfg.layer_types, list) and len(cfg.layer_types) != NUM_LAYERS:
         cfg.layer_types = cfg.layer_types[:NUM_LAYERS]
     return cfg
 
 
-def build_tiny_checkpoint(arch: str, out: str | Path, seed: int = 0) -> tuple[Path, str]:
-    """A random float32 checkpoint of ``arch`` in ``out`` (weights, config, tokenizer) for transformers and vLLM.
-    Returns (folder, model_type). ValueError when transformers cannot build the class."""
+def build_tiny_checkpoint(arch: str, out: str | Path, seed: int = 0,
+                          base: dict[str, Any] | None = None) -> tuple[Path, str]:
+    """A random float32 checkpoint of ``arch`` in ``out`` (weights, config, tokenizer) for transformers and vLLM,
+    from ``base`` (a user's config.json) with small widths when given. Returns (folder, model_type). ValueError when
+    transformers cannot build the class."""
     from transformers import AutoModelForCausalLM
 
     model_type, where = transformers_model_type(arch)
     if model_type is None:
         raise ValueError(where)
-    cfg = tiny_config(model_type)
+    cfg = tiny_config(model_type, base=base)
     cfg.architectures = [arch]
     torch.manual_seed(seed)
-    model_cls = _model_class(arch)
-    model = model_cls(cfg) if model_cls is not None else AutoModelForCausalLM.from_config(cfg)
-    model = model.float().eval()
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    model_arch = type(model).__name__
     tok = T.train_tokenizer(T.build_corpus(20_000, 0.1), VOCAB)
-    return T.save_target(model, tok, out), model_type
-
-
-def _model_class(arch: str) -> Any:
-    import transformers
-
-    return getattr(transformers, arch, None)
+    path = T.save_target(model, tok, out)
+    if model_arch != arch:  # save_target names transformers' class; vLLM must load the architecture under test
+        cfg_path = path / "config.json"
+        saved = json.loads(cfg_path.read_text())
+        saved["architectures"] = [arch]
+        cfg_path.write_text(json.dumps(saved, indent=2) + "\n")
+    return path, model_type
 
 
 # ---- transformers' reference ------------------------------------------------------------------------------------
@@ -268,7 +280,9 @@ def prove(target: str, work_dir: str | Path, timeout_s: float = 900.0, seed: int
     t0 = time.perf_counter()
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    arch = target_info(target).architecture
+    info = target_info(target)
+    arch = info.architecture
+    base = read_json_config(info.config_path)[0] if info.config_path else None  # a user's config: its structure
     proof = Proof(architecture=arch, vllm_version=vllm_compat.vllm_version(), status="unproven", reason="")
 
     def done(status: str, reason: str) -> Proof:
@@ -294,12 +308,13 @@ def prove(target: str, work_dir: str | Path, timeout_s: float = 900.0, seed: int
         return done("unproven", "a multimodal wrapper: the proof builds text models only (vLLM's EAGLE proposer "
                                 "also reads config.image_token_index for multimodal targets not on its list)")
     try:
-        tpath, proof.model_type = build_tiny_checkpoint(arch, work / "target", seed=seed)
+        tpath, proof.model_type = build_tiny_checkpoint(arch, work / "target", seed=seed, base=base)
     except Exception as exc:  # noqa: BLE001 - any failure to build is a reason to stay unproven, said as such
         check("tiny checkpoint", None, f"{type(exc).__name__}: {exc}")
         return done("unproven", f"no tiny {arch} could be built with transformers: {type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0] if str(exc) else ''}")
-    check("tiny checkpoint", True, f"transformers {proof.model_type}, {NUM_LAYERS} layers, float32")
+    check("tiny checkpoint", True, f"transformers {proof.model_type}, {NUM_LAYERS} layers, float32"
+                                   + (f", from {info.config_path} with small widths" if base else ""))
     drafter = random_probe_drafter(tpath, AUX_IDS, work / "drafter", draft_vocab_size=128, seed=seed)
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 17, 30, 12)]
@@ -379,7 +394,8 @@ def prove(target: str, work_dir: str | Path, timeout_s: float = 900.0, seed: int
     if failed:
         return done("failed", "failed: " + "; ".join(failed))
     if plan.verdict == "native":
-        return done("native", "vLLM serves it natively; its aux states equal transformers'")
+        return done("native", f"vLLM {proof.vllm_version} serves it natively with its own forward (the patch is not "
+                              "exercised on this vLLM); its aux states equal transformers'")
     return done("proven", f"refused unpatched, served patched, aux states within {AUX_TOL:g} of transformers', "
                           "greedy outputs equal")
 
