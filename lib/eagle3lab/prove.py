@@ -100,7 +100,7 @@ class Proof:
 
     @property
     def ok(self) -> bool:
-        return self.status in ("proven", "native", "not patchable")
+        return self.status in ("proven", "native")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
