@@ -58,7 +58,7 @@ NEW_TOKENS = 16
 SMALL: dict[str, Any] = {
     "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": NUM_LAYERS,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
-    "initializer_range": 0.2, "tie_word_embeddings": False, "sliding_window": 64,
+    "initializer_range": 0.2, "sliding_window": 64,
     # mixture of experts: four experts, two per token, small expert widths, every layer sparse where configurable
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
     "moe_k": 2, "moe_topk": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128,

@@ -213,7 +213,7 @@ def read_proof_matrix(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def truth_of(row: RegistryRow, proofs: dict[str, dict[str, Any]]) -> tuple[str, str]:
+def truth_of(row: RegistryRow, proofs: dict[str, dict[str, Any]], matrix_vllm: str = "") -> tuple[str, str]:
     """(column, why) of one registry row given the matrix's rows by architecture: a patchable row is "proven"
     only when ``patch --prove`` passed for it; otherwise "patchable, unproven" with the proof's reason (or "not in
     the proof matrix"). A proof that failed keeps the row out of "proven" and says why."""
@@ -221,7 +221,8 @@ def truth_of(row: RegistryRow, proofs: dict[str, dict[str, Any]]) -> tuple[str, 
         return row.status, row.reason
     proof = proofs.get(row.architecture)
     if proof is None:
-        return "patchable, unproven", "not in the proof matrix"
+        made_on = f" (it lists vLLM {matrix_vllm}'s patchable rows as installed)" if matrix_vllm else ""
+        return "patchable, unproven", f"not in the proof matrix{made_on}"
     if proof["status"] == "proven":
         return "proven", f"aux states within {proof['aux_max_rel_diff']:.1g} of transformers', greedy equal"
     return "patchable, unproven", f"{proof['status']}: {proof['reason']}"
@@ -236,7 +237,8 @@ def truth_counts(rows: list[RegistryRow], proofs: dict[str, dict[str, Any]]) -> 
     return out
 
 
-def unproven_rows(rows: list[RegistryRow], proofs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def unproven_rows(rows: list[RegistryRow], proofs: dict[str, dict[str, Any]],
+                  matrix_vllm: str = "") -> list[dict[str, Any]]:
     """The rows called patchable that no engine has proven, each with why (the proof's own reason)."""
-    return [{"architecture": r.architecture, "kind": r.kind, "why unproven": truth_of(r, proofs)[1]}
+    return [{"architecture": r.architecture, "kind": r.kind, "why unproven": truth_of(r, proofs, matrix_vllm)[1]}
             for r in rows if truth_of(r, proofs)[0] == "patchable, unproven"]
