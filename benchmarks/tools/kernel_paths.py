@@ -28,6 +28,7 @@ CONFIGS = {
     "ATen default kernels": {"ATEN_CPU_CAPABILITY": "default"},
     "MKL SSE4.2 path": {"MKL_CBWR": "SSE4_2"},
     "MKL compatible path": {"MKL_CBWR": "COMPATIBLE"},
+    "one thread": {"OMP_NUM_THREADS": "1"},
 }
 
 _CHILD = """

@@ -174,9 +174,9 @@ def test_unknown_architecture_is_unsupported():
     assert "UNSUPPORTED" in dg.format_diagnosis(d)
 
 
-def test_not_patchable_model_is_unsupported():
+def test_not_patchable_model_is_unsupported(registry_rows):
     # A text model that is neither native nor patchable by the plan, picked from the installed registry.
-    rows = [r for r in dg.registry_table() if r.kind == "text" and r.status == "not patchable"]
+    rows = [r for r in registry_rows if r.kind == "text" and r.status == "not patchable"]
     assert rows
     d = dg.diagnose(rows[0].architecture)
     assert d.resolved and not d.family and d.verdict == "unsupported"
@@ -216,11 +216,11 @@ def test_format_mentions_the_essentials(by_arch, kimi):
     assert ("patch plan" in text) is (not NATIVE)
 
 
-def test_registry_table_matches_supports_eagle3():
+def test_registry_table_matches_supports_eagle3(registry_rows):
     from vllm.model_executor.models.interfaces import supports_eagle3
     from vllm.model_executor.models.registry import ModelRegistry
 
-    rows = {r.architecture: r for r in dg.registry_table()}
+    rows = {r.architecture: r for r in registry_rows}
     assert len(rows) > 100
     for arch in (*ARCHS, "LlamaForCausalLM", "Qwen2ForCausalLM"):
         cls = ModelRegistry._try_load_model_cls(arch)

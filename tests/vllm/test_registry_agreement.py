@@ -28,10 +28,9 @@ PATCHABLE_026 = ("Glm4MoeForCausalLM", "BailingMoeV2ForCausalLM", "MixtralForCau
 
 
 @pytest.fixture(scope="module")
-def rows():
+def rows(registry_rows):
     patch.revert()
-    out = dg.registry_table()
-    yield out
+    yield list(registry_rows)
     patch.revert()
 
 
