@@ -80,7 +80,11 @@ def test_run_killed_in_03_and_04_resumes_to_the_unbroken_runs_figures(smoke_run,
         d = run_dir()
         return d is not None and _lines(d / "artifacts" / "data" / "samples.jsonl") >= 8
 
-    _kill_when(_cli("--params", str(SMOKE), "--outputs", str(outputs)), in_03)
+    # 05's extras (layer probe, ablation, layer sweep, HumanEval) are the smoke run's to test; none of the figures
+    # compared here comes from them, and they cost CI about a minute.
+    cheap_05 = ["-p", "acceptance.probe=false", "-p", "acceptance.ablation=false", "-p", "acceptance.layer_sweep=[]",
+                "-p", "acceptance.humaneval=false"]
+    _kill_when(_cli("--params", str(SMOKE), *cheap_05, "--outputs", str(outputs)), in_03)
     d = run_dir()
     killed = _statuses(d)
     assert [killed[s] for s in STEPS[:3]] == ["ok"] * 3 and killed["03_engine"] == "pending", killed
