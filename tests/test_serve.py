@@ -520,6 +520,39 @@ def test_kimi_k25_wrapper_refused_then_patched_on_vllm_cpu(tmp_path):
     assert served.outputs and len(served.outputs[0]) == 8
 
 
+
+@pytest.mark.vllm_cpu
+@pytest.mark.slow
+def test_kimi_vl_serves_with_a_drafter_on_vllm_cpu(tmp_path):
+    """Kimi-VL (vLLM's KimiVLForConditionalGeneration around DeepseekV2ForCausalLM; tiny, random,
+    target.wrap_as_kimi_vl) with an EAGLE-3 drafter. vLLM's EAGLE proposer reads config.image_token_index from a
+    multimodal target not on its list, and Kimi-VL's config has media_placeholder_token_id only: without our
+    alias the drafter's load dies with AttributeError on vllm-cpu 0.32 (native EAGLE-3 support and all; seen
+    2026-12-07, benchmarks/patch-matrix). With the patch naming the architecture, the engine serves."""
+    py = _vllm_cpu_python()
+    if py is None:
+        pytest.skip("no vllm-cpu venv (.venvs/vllm-cpu; scripts/test.sh builds it)")
+    from eagle3lab.engines.launch_probe import probe_launch, random_probe_drafter
+    from eagle3lab.plugin import CPU_FIXES_ENV, plugin_env
+    from eagle3lab.target import wrap_as_kimi_vl
+
+    _random_mla_target(tmp_path / "inner", hidden_size=128)
+    kvl = wrap_as_kimi_vl(tmp_path / "inner", tmp_path / "kimi_vl")
+    assert "image_token_index" not in json.loads((kvl / "config.json").read_text())
+    drafter = random_probe_drafter(tmp_path / "inner", [2, 3, 4], tmp_path / "drafter", draft_vocab_size=128)
+    options = {"dtype": "float32", "max_model_len": 256, "enforce_eager": True, "attention_backend": "CPU_MLA",
+               "extra": {"language_model_only": True}}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "eagle3lab", CPU_FIXES_ENV: "1",
+           **plugin_env(True, False, False, ["KimiVLForConditionalGeneration"])}
+    served = probe_launch(kvl, drafter, env, tmp_path / "patched.log", options, python=py, timeout_s=600)
+    log = Path(served.log_file).read_text()
+    assert served.exit_code == 0 and not served.refused, log[-3000:]
+    assert "image_token_index" not in log  # no AttributeError on the way
+    assert [w.model_class for w in served.workers] == ["KimiVLForConditionalGeneration"]
+    w = served.workers[0]
+    assert w.supports_eagle3 and w.inner_class == "DeepseekV2Model" and w.aux_layers == [2, 3, 4]
+    assert served.outputs and len(served.outputs[0]) == 8
+
 # -- run_in_group: a job (an engine child of benchmarks/tools/gpu_engine_proofs.py, a 02 launch probe) that must not outlive
 # the call that started it, whatever ends that call.
 

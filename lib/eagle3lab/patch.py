@@ -26,6 +26,7 @@ process imports this module.
 from __future__ import annotations
 import __future__
 
+import functools
 import inspect
 import sys
 import textwrap
@@ -514,10 +515,11 @@ def _apply_general(arch: str) -> tuple[list[str], str]:
     p = plan(arch)
     if p.verdict == "unsupported":
         raise ValueError(f"{arch} is not patchable on vLLM {vllm_version()}: {p.reason}")
+    cls = vllm_compat.load_model_class(arch)
     if p.verdict == "native":
         mine = any(getattr(r.target, "__name__", "") in p.levels for r in _REGISTRY.get(PATCH, []))
-        return [], "already applied in this process" if mine else f"vLLM {vllm_version()} supports it natively"
-    cls = vllm_compat.load_model_class(arch)
+        alias = [r.describe() + " (image_token_index for vLLM's EAGLE proposer)" for r in _alias_placeholder(cls)]
+        return alias, "already applied in this process" if mine else f"vLLM {vllm_version()} supports it natively"
     by_name = {k.__name__: k for lv in level_chain(cls, []) for k in _level_class(lv).__mro__}
     members = protocol_members()
     sup = _interfaces().SupportsEagle3
@@ -541,6 +543,7 @@ def _apply_general(arch: str) -> tuple[list[str], str]:
                 fwd = _rewritten_forward(owner, p)
             recs.append(_record(PATCH, inner, "forward", fwd))
         recs += _patch_gate(PATCH, _gate_types([arch]))
+        recs += _alias_placeholder(cls)
         if not vllm_compat.supports_eagle3(cls):
             raise ValueError(f"{arch}: the plan ran but supports_eagle3 is still False")
     except Exception:
@@ -551,6 +554,43 @@ def _apply_general(arch: str) -> tuple[list[str], str]:
             del _REGISTRY[PATCH]
         raise
     return [r.describe() for r in recs], ""
+
+
+# vLLM's EAGLE proposer (v1/spec_decode/llm_base_proposer.py, load_model) reads ``config.image_token_index`` from any
+# multimodal target whose class is not on its own list of names. Kimi-VL's config spells that token
+# media_placeholder_token_id, so the drafter's load died with AttributeError on vLLM 0.32, native support and all
+# (tests/test_serve.py::test_kimi_vl_serves_with_a_drafter_on_vllm_cpu, 2026-12-07). The spellings it is read from:
+PLACEHOLDER_SPELLINGS = ("media_placeholder_token_id", "image_token_id")
+
+
+def alias_image_token_index(config: Any) -> str | None:
+    """Give ``config`` the ``image_token_index`` vLLM's EAGLE proposer reads, from another spelling of the same
+    token; returns the spelling used (None: already present, or no spelling to take it from)."""
+    if config is None or hasattr(config, "image_token_index"):
+        return None
+    for name in PLACEHOLDER_SPELLINGS:
+        value = getattr(config, name, None)
+        if value is not None:
+            config.image_token_index = value
+            return name
+    return None
+
+
+def _aliasing_init(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        alias_image_token_index(getattr(self, "config", None))
+
+    __init__.eagle3lab_alias = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def _alias_placeholder(cls: type) -> list[PatchRecord]:
+    """For a multimodal wrapper: alias its config's image token for vLLM's EAGLE proposer (once)."""
+    if not getattr(cls, "supports_multimodal", False) or getattr(cls.__init__, "eagle3lab_alias", False):
+        return []
+    return [_record(PATCH, cls, "__init__", _aliasing_init(cls.__init__))]
 
 
 def _level_class(level: Any) -> type:

@@ -305,8 +305,8 @@ def prove(target: str, work_dir: str | Path, timeout_s: float = 900.0, seed: int
         # a tiny multimodal model would need a vision (or audio) tower of transformers' default size, and vLLM's
         # EAGLE proposer reads image_token_index from any multimodal target not on its own list of names
         check("tiny checkpoint", None, "a multimodal wrapper")
-        return done("unproven", "a multimodal wrapper: the proof builds text models only (vLLM's EAGLE proposer "
-                                "also reads config.image_token_index for multimodal targets not on its list)")
+        return done("unproven", "a multimodal wrapper: the proof builds text models only (the patch aliases the "
+                                "config.image_token_index that vLLM's EAGLE proposer reads from multimodal targets)")
     try:
         tpath, proof.model_type = build_tiny_checkpoint(arch, work / "target", seed=seed, base=base)
     except Exception as exc:  # noqa: BLE001 - any failure to build is a reason to stay unproven, said as such

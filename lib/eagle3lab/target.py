@@ -611,6 +611,19 @@ def wrap_as_kimi_k25(src: str | Path, dst: str | Path) -> Path:
     on both classes, our forward in the worker) on a machine that holds no 1-trillion-parameter checkpoint; it
     says nothing about Kimi-K2.5's weights, tokenizer or acceptance.
     """
+    return _wrap_deepseek(src, dst, "kimi_k25")
+
+
+def wrap_as_kimi_vl(src: str | Path, dst: str | Path) -> Path:
+    """Save the DeepSeek-V3-family target at ``src`` as a Kimi-VL checkpoint in ``dst`` (vLLM's
+    ``KimiVLForConditionalGeneration`` around ``DeepseekV2ForCausalLM``): the weights under ``language_model.``,
+    a one-layer MoonViT tower that is never built (serve it with ``language_model_only``). Its config names the
+    image placeholder ``media_placeholder_token_id`` only, as Moonshot's checkpoints do: the spelling vLLM's EAGLE
+    proposer does not read for this class (see :mod:`eagle3lab.patch`)."""
+    return _wrap_deepseek(src, dst, "kimi_vl")
+
+
+def _wrap_deepseek(src: str | Path, dst: str | Path, kind: str) -> Path:
     import json
     import shutil
 
@@ -626,19 +639,28 @@ def wrap_as_kimi_k25(src: str | Path, dst: str | Path) -> Path:
             shutil.copy(src / f, dst / f)
     text = {k: v for k, v in cfg.items() if k not in ("transformers_version", "dtype", "torch_dtype")}
     text["architectures"] = ["DeepseekV3ForCausalLM"]
-    # The media tokens must exist in the vocabulary; text prompts never contain them. Both spellings of the
-    # placeholder: transformers' Kimi_K25Config has image_token_id, the checkpoints' remote-code config (which
-    # vLLM's EAGLE proposer reads) media_placeholder_token_id.
     vocab = int(cfg["vocab_size"])
-    media = {"image_token_id": vocab - 1, "media_placeholder_token_id": vocab - 1, "video_token_id": vocab - 2,
-             "vision_start_token_id": vocab - 3, "vision_end_token_id": vocab - 4}
-    kimi = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
-            "vision_config": {"num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32,
-                              "intermediate_size": 64, "patch_size": 14},
-            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-            "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or "float32", **media}
-    (dst / "config.json").write_text(json.dumps(kimi, indent=1) + "\n")
-    (dst / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": _KIMI_MEDIA_PROC}, indent=1) + "\n")
+    common = {"text_config": text, "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+              "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or "float32"}
+    if kind == "kimi_k25":
+        # The media tokens must exist in the vocabulary; text prompts never contain them. Both spellings of the
+        # placeholder: transformers' Kimi_K25Config has image_token_id, the checkpoints' remote-code config (which
+        # vLLM's EAGLE proposer reads) media_placeholder_token_id.
+        media = {"image_token_id": vocab - 1, "media_placeholder_token_id": vocab - 1, "video_token_id": vocab - 2,
+                 "vision_start_token_id": vocab - 3, "vision_end_token_id": vocab - 4}
+        wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", **common,
+                   "vision_config": {"num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32,
+                                     "intermediate_size": 64, "patch_size": 14}, **media}
+        (dst / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": _KIMI_MEDIA_PROC}, indent=1) + "\n")
+    elif kind == "kimi_vl":
+        wrapper = {"architectures": ["KimiVLForConditionalGeneration"], "model_type": "kimi_vl", **common,
+                   "vision_config": {"model_type": "moonvit", "num_attention_heads": 2, "num_hidden_layers": 1,
+                                     "hidden_size": 32, "intermediate_size": 64, "patch_size": 14,
+                                     "init_pos_emb_height": 8, "init_pos_emb_width": 8, "merge_kernel_size": [2, 2]},
+                   "media_placeholder_token_id": vocab - 1}
+    else:
+        raise ValueError(f"unknown wrapper {kind!r}")
+    (dst / "config.json").write_text(json.dumps(wrapper, indent=1) + "\n")
     weights = {}
     for f in sorted(src.glob("*.safetensors")):
         weights.update({"language_model." + k: v for k, v in load_file(f).items()})

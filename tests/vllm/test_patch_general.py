@@ -266,3 +266,46 @@ def test_layer_class_chosen_through_a_parameter(arch):
     callers = [patch._level_class(lv) for lv in level_chain(cls, [])]
     assert [c.__name__ for c in decoder_layer_classes(inner, callers)] == [layer]
     assert p.verdict == "patchable" and p.loop.convention.startswith(convention), p.loop.convention
+
+
+# ---- the image-token alias for vLLM's EAGLE proposer (multimodal wrappers) -----------------------------------
+
+
+def test_alias_image_token_index_from_kimi_vls_spelling():
+    cfg = SimpleNamespace(media_placeholder_token_id=163605, image_token_id=7)
+    assert patch.alias_image_token_index(cfg) == "media_placeholder_token_id" and cfg.image_token_index == 163605
+    assert patch.alias_image_token_index(cfg) is None and cfg.image_token_index == 163605  # present: untouched
+    other = SimpleNamespace(image_token_id=7)
+    assert patch.alias_image_token_index(other) == "image_token_id" and other.image_token_index == 7
+    bare = SimpleNamespace()
+    assert patch.alias_image_token_index(bare) is None and not hasattr(bare, "image_token_index")
+    assert patch.alias_image_token_index(None) is None
+
+
+def test_kimi_vl_gets_the_alias_once_and_revert_removes_it():
+    try:
+        cls = vllm_compat.load_model_class("KimiVLForConditionalGeneration")
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"KimiVLForConditionalGeneration does not load on vLLM {vllm_compat.vllm_version()}: {e}")
+    text = vllm_compat.load_model_class("LlamaForCausalLM")
+    original = cls.__dict__.get("__init__")
+    patch.revert()
+    try:
+        rep = patch.apply(architectures=["KimiVLForConditionalGeneration"])
+        assert any("KimiVLForConditionalGeneration.__init__" in a for a in rep.actions), rep.actions
+        assert getattr(cls.__init__, "eagle3lab_alias", False) and vllm_compat.supports_eagle3(cls)
+        again = patch.apply(architectures=["KimiVLForConditionalGeneration"])
+        assert not any("__init__" in a for a in again.actions)  # once
+        # the wrapper runs the original __init__ first, then aliases the instance's config
+        fake, called = SimpleNamespace(), []
+
+        def init(self):
+            called.append(1)
+            self.config = SimpleNamespace(media_placeholder_token_id=9)
+
+        patch._aliasing_init(init)(fake)
+        assert called == [1] and fake.config.image_token_index == 9
+        assert patch._alias_placeholder(text) == []  # a text model is left alone
+    finally:
+        patch.revert()
+    assert cls.__dict__.get("__init__") is original
