@@ -118,6 +118,10 @@ def test_humaneval_prompts(built):
     cut = S.humaneval_prompts(tok, 10, max_tokens=16)
     assert len(cut) == 10 and all(len(p) <= 16 for p in cut)
     assert cut[0] == full[0][-16:]  # the end of the prompt (the function asked for) is kept
+    # every prompt ends at the docstring's closing quotes, never on a lone newline token (see the docstring)
+    ends = [tok.decode(p[-1:]) for p in full]
+    assert not any(e.endswith("\n") or e.isspace() for e in ends), ends
+    assert sum(tok.decode(p).rstrip().endswith(('"""', "'''")) for p in full) >= 150
 
 
 def test_a_bad_json_line_is_an_error_naming_the_file_and_line(built, tmp_path):
