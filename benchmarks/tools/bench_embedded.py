@@ -1,6 +1,6 @@
 """Benchmark the README's run command: wall time and peak memory of the whole process tree.
 
-    .venv/bin/python benchmarks/tools/bench_embedded.py [--params params/embedded.yaml] [-p k=v ...]
+    .venv/bin/python benchmarks/tools/bench_embedded.py [--params params/embedded.yaml] [-p k=v ...] [--check]
 
 Runs `python -m eagle3lab run` as a child, samples the summed RSS of it and all its descendants (the
 notebook kernels) every 0.5 s, and writes benchmarks/<profile>-<date>.json with the machine, the date,
@@ -63,6 +63,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", default=str(ROOT / "params" / "embedded.yaml"))
     ap.add_argument("-p", dest="overrides", action="append", default=[])
+    ap.add_argument("--check", action="store_true",
+                    help="compare the figures with the newest benchmarks/<profile>-ranges-*.json (exit 1 outside)")
     a = ap.parse_args()
     cmd = [sys.executable, "-m", "eagle3lab", "run", "--params", a.params, "--no-progress"]
     for o in a.overrides:
@@ -96,9 +98,21 @@ def main() -> int:
                                                                         "patch.engine.", "patch.legacy_simulation"))},
     }
     profile = Path(a.params).stem
-    dest = ROOT / "benchmarks" / f"{profile}-{datetime.now().strftime('%Y%m%d-%H%M')}.json"
+    seed = next((o.split("=", 1)[1] for o in a.overrides if o.startswith("seed=")), None)
+    tag = f"{profile}-seed{seed}" if seed is not None else profile
+    dest = ROOT / "benchmarks" / f"{tag}-{datetime.now().strftime('%Y%m%d-%H%M')}.json"
     dest.write_text(json.dumps(result, indent=2))
     print(f"wall {wall:.0f} s, peak RSS {peak / 2**30:.2f} GB -> {dest}")
+    if a.check and child.returncode == 0:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import seed_ranges
+
+        ranges = seed_ranges.latest_ranges(profile)
+        if ranges is None:
+            print(f"no benchmarks/{profile}-ranges-*.json to check against")
+            return 2
+        print(f"against {ranges.name}")
+        return 0 if seed_ranges.print_check(seed_ranges.check(result, json.loads(ranges.read_text()))) else 1
     return child.returncode
 
 
