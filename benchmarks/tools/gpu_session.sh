@@ -133,8 +133,10 @@ served)
   cd "$here";;
 tests)
   # -rP: the passed tests' printed measurements (e.g. AUX_MEASURED) stay in the committed output
-  cd /tmp/src && timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -rP -p no:cacheprovider -m gpu tests ${TESTS_K:+-k "$TESTS_K"} \
-      > "$OUT/pytest-gpu.txt" 2>&1; grep -E "^(AUX|GREEDY|REFUSED)|passed|failed|Error|assert" "$OUT/pytest-gpu.txt" | tail -30
+  # Unbuffered, and SIGINT first: a run cut by the limit still leaves its output and pytest's summary (12-07: a
+  # SIGTERM'd pytest left an empty file).
+  cd /tmp/src && PYTHONUNBUFFERED=1 timeout -s INT -k 30 "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -rP -p no:cacheprovider \
+      -m gpu tests ${TESTS_K:+-k "$TESTS_K"} > "$OUT/pytest-gpu.txt" 2>&1; grep -E "^(AUX|GREEDY|REFUSED)|passed|failed|Error|assert" "$OUT/pytest-gpu.txt" | tail -30
   cd "$here";;
 yardstick)
   run=$(ls -d /tmp/e3out/*/ 2>/dev/null | head -1)
