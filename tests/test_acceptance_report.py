@@ -11,6 +11,7 @@ import pytest
 
 from eagle3lab import acceptance as A
 from eagle3lab import acceptance_report as AR
+from eagle3lab import overview
 from eagle3lab.acceptance import SpecDecodeStats
 from eagle3lab.engines.base import Batch1Timing
 
@@ -397,7 +398,9 @@ def test_ablation_from_results():
     abl = AR.ablation_from_results(trained, sets, seed=0)
     assert list(abl.seconds) == ["ablation [1, 2]", "ablation [1]"]
     assert abl.metrics() == {"acceptance.ablation": {"profile [1, 2]": 2.0, "early [1]": 1.0},
-                             "acceptance.ablation_best": "profile [1, 2]"}
+                             "acceptance.ablation_ci95": {"profile [1, 2]": [2.0, 2.0], "early [1]": [1.0, 1.0]},
+                             "acceptance.ablation_best": "profile [1, 2]", "acceptance.ablation_resolved": True,
+                             "acceptance.ablation_tied_with_best": []}
     rows = abl.rows()
     assert rows[0] == {"set": "profile", "aux ids": [1, 2], "τ": "2.000 [2.000, 2.000]", "train accuracy (pos 1)": 0.512,
                        "seconds": 2.0}
@@ -405,7 +408,27 @@ def test_ablation_from_results():
     assert abl.traces == [([1, 2], ["t1"]), ([1], ["t2"])]
     line = abl.line(64, 300)
     assert line.startswith("**Ablation:** best set profile [1, 2] (τ = 2.00 [2.00, 2.00]), worst early [1] (τ = 1.00")
-    assert "; the intervals do not overlap. All were trained 64 steps (04's drafter: 300)" in line
+    assert ("; the intervals do not overlap. The best set's interval lies above every other set's. All were trained "
+            "64 steps (04's drafter: 300)") in line
+
+
+def test_ablation_names_no_winner_within_the_noise():
+    """Three sets: the best and the middle one overlap (a tie), the worst lies below both."""
+    sets = [SimpleNamespace(name=n, ids=[i], why="") for i, n in enumerate(("a", "b", "c"), 1)]
+    a = [stats(1, [1, 1]), stats(1, [1, 0])] * 3  # per-prompt tau 2 and 1.5: around 1.75
+    b = [stats(1, [1, 0]), stats(1, [1, 1]), stats(1, [1, 0])] * 2  # 1.5, 2, 1.5: around 1.67, overlapping a
+    c = [stats(1, [0, 0])] * 6  # tau 1 exactly
+    trained = [(SimpleNamespace(name=n, ids=[i], per_prompt=pp, train_seconds=1.0, train_accuracy=[0.5]), [])
+               for (n, i, pp) in (("a", 1, a), ("b", 2, b), ("c", 3, c))]
+    abl = AR.ablation_from_results(trained, sets, seed=0)
+    lo_a, hi_b = abl.results["a"][1].tau.lo, abl.results["b"][1].tau.hi
+    assert abl.results["a"][1].tau.value > abl.results["b"][1].tau.value and hi_b >= lo_a  # the premise
+    m = abl.metrics()
+    assert m["acceptance.ablation_best"] == "a [1]" and m["acceptance.ablation_resolved"] is False
+    assert m["acceptance.ablation_tied_with_best"] == ["b [2]"]
+    assert "overlaps 1 other set(s) (b [2]): no winner is named" in abl.line(64, 300)
+    rows = {r.label: r for g in overview.headline({**m, "acceptance.k": 2}) for r in g.rows}
+    assert rows["tau per aux-layer set"].context.startswith("best: none resolved (a [1] leads")
 
 
 def test_closing_and_timings():

@@ -19,6 +19,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from eagle3lab import acceptance as A
+from eagle3lab import cost_model as CM
 from eagle3lab import divergence as DV
 from eagle3lab import probe as PR
 from eagle3lab import repetition as R
@@ -111,6 +112,10 @@ class EngineDecode:
     seconds: dict[str, float] = field(default_factory=dict)
     # The first prompts decoded one at a time without speculation (engines that time their runs), else None.
     batch1_baseline: Any = None
+    # The cost model's timed batches (eagle3lab.engines.base.DecodeTiming), plain and EAGLE-3, one per batch size, on
+    # engines that time their runs; None elsewhere.
+    cost_plain: list[Any] | None = None
+    cost_eagle3: list[Any] | None = None
 
     @property
     def mismatch(self) -> list[int]:
@@ -181,20 +186,38 @@ class EngineDecode:
 
 
 def decode_with_engine(engine: Any, prompts: Sequence[Sequence[int]], drafter_path: Path, k: int,
-                       max_new_tokens: int, decode_prompts: int | None, batch1_prompts: int) -> EngineDecode:
+                       max_new_tokens: int, decode_prompts: int | None, batch1_prompts: int,
+                       cost_batches: Sequence[int] = ()) -> EngineDecode:
     """Greedy, then speculative decoding at T=0 of the first ``decode_prompts`` prompts (None: all).
 
     On an engine that times its runs (``time_batch1``), the first ``batch1_prompts`` of them are also decoded
     without speculation one at a time, while the plain engine is up; the speculative engine's per-prompt runs
-    give the other side of the batch-1 speedup.
+    give the other side of the batch-1 speedup. On an engine that times batches (``time_decode``), each batch size
+    of ``cost_batches`` is decoded at once (:func:`eagle3lab.cost_model.batch_prompts` of all ``prompts``) by the
+    plain engine and then by the EAGLE-3 engine, each while it is up (vLLM starts one engine per speculative
+    config), for :func:`cost_model`.
     """
     n = min(len(prompts), decode_prompts or len(prompts))
     t0 = time.perf_counter()
     greedy = engine.generate(prompts[:n], max_new_tokens)
     timer = getattr(engine, "time_batch1", None)
     base1 = timer(prompts[: min(n, batch1_prompts)], max_new_tokens) if callable(timer) else None
+    batch_timer = getattr(engine, "time_decode", None)
+    cost_s = 0.0
+    cost_plain = cost_eagle3 = None
+    if callable(batch_timer) and cost_batches:
+        t1 = time.perf_counter()
+        cost_plain = [batch_timer(CM.batch_prompts(prompts, b), max_new_tokens) for b in cost_batches]
+        cost_s += time.perf_counter() - t1
     spec = engine.speculative_generate(prompts[:n], drafter_path, k, max_new_tokens)
-    return EngineDecode(n, greedy, spec, {"decode T=0": time.perf_counter() - t0}, base1)
+    if cost_plain is not None:
+        t1 = time.perf_counter()
+        cost_eagle3 = [batch_timer(CM.batch_prompts(prompts, b), max_new_tokens, drafter_path, k) for b in cost_batches]
+        cost_s += time.perf_counter() - t1
+    seconds = {"decode T=0": time.perf_counter() - t0 - cost_s}
+    if cost_plain is not None:
+        seconds["cost model: timed batches"] = cost_s
+    return EngineDecode(n, greedy, spec, seconds, base1, cost_plain, cost_eagle3)
 
 
 def _spread(values: list[int]) -> str:
@@ -533,6 +556,80 @@ def tau_by_k(traces_by_k: Mapping[int, Sequence[Any]], k: int, tau: float, cost:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the cost model, measured in the engine
+
+
+def drafter_device_dtype(timings: Sequence[Any], device: str, dtype: str,
+                         target_path: Path | None = None) -> tuple[str, str, str]:
+    """(device, dtype, where they come from) for timing the drafter as the engine runs it: what the engine's worker
+    reported, else the profile's ``engine.device`` (auto: CUDA when present) and ``target.dtype`` (auto: the target
+    config's ``torch_dtype``, else float32)."""
+    import json
+
+    import torch
+
+    for t in timings:
+        if t.device and t.dtype:
+            return t.device, t.dtype, "as the engine's worker reports its target"
+    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dt = dtype
+    if dt == "auto":
+        cfg = target_path / "config.json" if target_path is not None else None
+        raw = json.loads(cfg.read_text()) if cfg is not None and cfg.is_file() else {}
+        dt = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    return dev, str(dt), "from the profile (the engine reports none)"
+
+
+def cost_model(decode: EngineDecode, k: int, drafter_path: Path, prompts: Sequence[Sequence[int]], *,
+               engine_kind: str, drafter: Any = None, device: str = "auto", dtype: str = "auto",
+               target_path: Path | None = None, repeats: int = 10) -> CM.CostModel:
+    """The cost-model section from the engine's timed batches (:func:`decode_with_engine`), with our drafter's
+    k chained forwards timed in this process at each batch on the engine's device and dtype (``drafter``: the
+    module already loaded, else read from ``drafter_path``). Not measured on an engine that timed no batch (the
+    reference engine)."""
+    import torch
+
+    if not decode.cost_plain or not decode.cost_eagle3:
+        return CM.not_measured(k, engine_kind)
+    t0 = time.perf_counter()
+    timings = [*decode.cost_plain, *decode.cost_eagle3]
+    dev, dt, source = drafter_device_dtype(timings, device, dtype, target_path)
+    timed = CM.drafter_for_timing(drafter if drafter is not None else load_drafter(drafter_path, "cpu"), dev, dt)
+    rows, used = [], []
+    for plain, eagle3 in zip(decode.cost_plain, decode.cost_eagle3, strict=True):
+        # The drafter attends the context a round sees on average: the prompt and half the new tokens.
+        batch = CM.batch_prompts(prompts, plain.batch)
+        context = round(statistics.mean(map(len, batch))) + plain.new_tokens // 2
+        seconds, n_threads = CM.drafter_round_seconds(timed, plain.batch, k, context, repeats=repeats)
+        rows.append(CM.CostRow(plain, eagle3, seconds))
+        used.append(n_threads)
+    n_params = sum(p.numel() for p in timed.parameters())
+    del timed
+    n_cpu = torch.get_num_threads()
+    threads = ("" if dev != "cpu" else " with 1 CPU thread" if n_cpu == 1 else
+               f" (the faster of {n_cpu} CPU threads and 1 at each batch: "
+               + ", ".join(f"batch {r.batch}: {n}" for r, n in zip(rows, used, strict=True)) + ")")
+    drafter_note = (f"**Drafter:** our drafter module ({n_params / 1e6:.1f}M parameters, embeddings included), timed in "
+                    f"this process on {dev}{threads} in {dt} ({source}): k = {k} chained forwards at each batch, the "
+                    "first over the verify step's k + 1 positions per request, the rest one token each, over a cached "
+                    f"context of the prompt and half the new tokens; median of {repeats} after a warm-up. It is the "
+                    "drafter's math in eager PyTorch, not vLLM's proposer: that one's bookkeeping (input "
+                    "preparation, attention metadata) falls in the remainder, and its kernels differ (CUDA graphs, "
+                    "fused ops): where they run faster than this timing, the remainder is understated by the "
+                    "difference.")
+    measured = all(t.forward_seconds is not None for t in timings)
+    notes = sorted({t.forward_note for t in timings if t.forward_seconds is None})
+    verify_note = ("**Verify pass:** the target's forward timed inside the engine's worker (synchronised) in one more "
+                   "run of each batch, after the timed ones: over k + 1 tokens per request in the EAGLE-3 engine "
+                   "against one token in the plain engine; the extra is the difference of their medians."
+                   if measured else
+                   "**Verify pass:** " + "; ".join(notes) + ". So the remainder also holds the verify pass's extra "
+                   "cost over a one-token step.")
+    return CM.CostModel(k, rows, drafter_note=drafter_note, verify_note=verify_note,
+                        seconds={"cost model: drafter timing": time.perf_counter() - t0})
+
+
+# ---------------------------------------------------------------------------------------------------------
 # temperature
 
 
@@ -847,20 +944,39 @@ class Ablation:
         name = max(self.results, key=lambda n: self.results[n][1].tau.value)
         return f"{name} {self.results[name][0]}"
 
+    def tied_with_best(self) -> list[str]:
+        """The other sets whose 95% interval reaches the best set's: within the noise of the winner. The same
+        code and seed pick another winner on another CPU (issue 35), so a winner is named only when this is
+        empty."""
+        name = max(self.results, key=lambda n: self.results[n][1].tau.value)
+        lo = self.results[name][1].tau.lo
+        return [f"{n} {ids}" for n, (ids, iv) in self.results.items() if n != name and iv.tau.hi >= lo]
+
     def metrics(self) -> dict[str, Any]:
-        """τ per set and the best set."""
+        """τ and its interval per set; the best set, and whether it is resolved (its interval above every other's)."""
+        tied = self.tied_with_best()
         return {"acceptance.ablation": {f"{n} {ids}": v.tau.value for n, (ids, v) in self.results.items()},
-                "acceptance.ablation_best": self.best()}
+                "acceptance.ablation_ci95": {f"{n} {ids}": [v.tau.lo, v.tau.hi] for n, (ids, v) in self.results.items()},
+                "acceptance.ablation_best": self.best(),
+                "acceptance.ablation_resolved": not tied,
+                "acceptance.ablation_tied_with_best": tied}
 
     def line(self, ablation_steps: int, drafter_steps: Any) -> str:
         """The ablation's sentence in the closing section (``drafter_steps``: 04's training steps, or '?')."""
         ranked = sorted(self.results.items(), key=lambda kv: -kv[1][1].tau.value)
         (bn, (bids, biv)), (wn, (wids, wiv)) = ranked[0], ranked[-1]
         overlap = biv.tau.lo <= wiv.tau.hi
+        tied = self.tied_with_best()
+        verdict = ("; their 95% intervals overlap, so with this budget the layer choice is not resolved." if overlap
+                   else "; the intervals do not overlap.")
+        if tied and not overlap:
+            verdict += (f" The best set's interval still overlaps {len(tied)} other set(s) ({', '.join(tied)}): no "
+                        "winner is named among those.")
+        elif not tied:
+            verdict += " The best set's interval lies above every other set's."
         return (f"**Ablation:** best set {bn} {bids} (τ = {biv.tau.value:.2f} [{biv.tau.lo:.2f}, {biv.tau.hi:.2f}]), "
                 f"worst {wn} {wids} (τ = {wiv.tau.value:.2f} [{wiv.tau.lo:.2f}, {wiv.tau.hi:.2f}])"
-                + ("; their 95% intervals overlap, so with this budget the layer choice is not resolved." if overlap
-                   else "; the intervals do not overlap.") + f" All were trained {ablation_steps} steps (04's "
+                + verdict + f" All were trained {ablation_steps} steps (04's "
                 f"drafter: {drafter_steps}), so compare them with each other.")
 
 

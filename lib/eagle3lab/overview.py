@@ -238,7 +238,9 @@ def headline(m: Mapping[str, Any]) -> list[Group]:
     layers = Group("Per target layer")
     abl = m.get("acceptance.ablation")
     if abl:
-        best = m.get("acceptance.ablation_best")
+        best, tied = m.get("acceptance.ablation_best"), m.get("acceptance.ablation_tied_with_best")
+        if best and tied:  # within the noise: the ranking is not a result (a run before 2026-12-07 lacks the key)
+            best = f"none resolved ({best} leads, its 95% interval overlapping {len(tied)} other set(s))"
         layers.add("tau per aux-layer set", ", ".join(f"{lab}: {num(v)}" for lab, v in abl.items()),
                    f"best: {best}; drafters trained with the same reduced budget" if best else "")
     elif m.get("acceptance.layer_sweep"):

@@ -286,6 +286,12 @@ class AcceptanceParams(_Strict):
     # (vLLM): with the EAGLE-3 engine's per-prompt runs, the speedup measured at batch 1. The reference decoder
     # does not time (it recomputes whole sequences).
     batch1_prompts: int = Field(16, ge=1)
+    # The cost model (eagle3lab.cost_model), on engines that time their runs (vLLM): at each batch size B, B
+    # held-out prompts decoded at once for max_new_tokens tokens (EOS ignored), without and with EAGLE-3, give the
+    # plain step, the EAGLE-3 round, c = round / step, tau from that run's counters, the ceiling tau / c and the
+    # measured speedup. 1 is latency-bound serving, where speculative decoding pays; 8 and 32 show where its
+    # overhead and the verify pass stop riding free on memory bandwidth (0.26x at batch 64 on the H200, 2026-12-03).
+    cost_batches: list[int] = Field(default_factory=lambda: [1, 8, 32])
     # tau against k = 1..max_k, same drafter (exact greedy replay: no extra decoding).
     max_k: int = Field(7, ge=1)
     # Temperatures decoded with rejection sampling besides 0, on the first sampled_prompts prompts.
@@ -313,6 +319,20 @@ class AcceptanceParams(_Strict):
     humaneval_prompts: int = Field(164, ge=1, le=164)
     humaneval_prompt_tokens: int = Field(64, ge=8)
     humaneval_new_tokens: int = Field(24, ge=1)
+
+    @field_validator("cost_batches")
+    @classmethod
+    def _cost_batches(cls, value: list[int]) -> list[int]:
+        # Each batch is one row of 05's cost table and one key of acceptance.cost_model: at least one, each a real
+        # batch, none twice (a repeated key would overwrite its row).
+        if not value:
+            raise ValueError("give at least one batch size (e.g. [1, 8, 32])")
+        bad = [b for b in value if b < 1]
+        if bad:
+            raise ValueError(f"batch sizes must be >= 1, got {bad}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"a batch size is listed twice: {value}")
+        return value
 
 
 class Params(_Strict):

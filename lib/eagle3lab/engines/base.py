@@ -63,6 +63,37 @@ class Batch1Timing:
         return sum(self.tokens) / sum(self.seconds) if sum(self.seconds) > 0 else float("nan")
 
 
+@dataclass
+class DecodeTiming:
+    """One batch decoded at once on a warm engine, for the cost model (:mod:`eagle3lab.cost_model`).
+
+    ``batch`` prompts run together for exactly ``new_tokens`` tokens each (EOS ignored, so the batch stays whole
+    until the last step and plain and EAGLE-3 produce the same number of tokens). ``seconds`` is the wall time of
+    that run, after one untimed run of the same batch (start-up, compilation and the batch's first shapes
+    excluded). For EAGLE-3, ``stats`` holds vLLM's spec-decode counters of that same run (a ``SpecDecodeStats``).
+    """
+
+    batch: int
+    new_tokens: int
+    seconds: float
+    output_tokens: int
+    num_speculative_tokens: int = 0  # 0: plain decoding
+    stats: Any = None
+    # The median wall time of the target's forward at this batch (batch tokens for plain decoding, batch * (k + 1)
+    # for an EAGLE-3 verify pass), timed inside the engine's worker in a separate run; None with the reason in
+    # ``forward_note`` where the engine cannot time it honestly.
+    forward_seconds: float | None = None
+    forward_note: str = ""
+    # Where and in what dtype the engine's target runs, as its worker reports it (None: not reported).
+    device: str | None = None
+    dtype: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens over wall seconds."""
+        return self.output_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the workbook needs from an inference engine."""

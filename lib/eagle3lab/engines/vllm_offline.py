@@ -18,8 +18,15 @@ from typing import Any
 import torch
 
 from eagle3lab.acceptance import stats_from_vllm_metrics
+from eagle3lab.cost_model import (
+    drain_forward_timer,
+    forward_summary,
+    install_forward_timer,
+    remove_forward_timer,
+)
 from eagle3lab.engines.base import (
     Batch1Timing,
+    DecodeTiming,
     SpeculativeResult,
     check_generate_args,
     check_prompts,
@@ -269,6 +276,68 @@ class VllmEngine:
                 each.append(stats_from_vllm_metrics(b, llm.get_metrics()))
         return SpeculativeResult(outputs=outputs, stats=stats, per_prompt=each, decode_seconds=decode_s,
                                  baseline_seconds=baseline_s, batch1=batch1)
+
+    def _run_tokens(self, llm: Any, prompt_ids: list[list[int]], sp: Any) -> list[list[int]]:
+        # Every token each request made, EOS included and not cut: with ignore_eos, what the engine decoded.
+        from vllm.inputs import TokensPrompt  # lazy: see the module's docstring
+
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def time_decode(
+        self,
+        prompt_ids: list[list[int]],
+        new_tokens: int,
+        drafter_path: str | Path | None = None,
+        num_speculative_tokens: int = 0,
+        time_forwards: bool = True,
+    ) -> DecodeTiming:
+        """Decode ``prompt_ids`` as one batch, ``new_tokens`` tokens each with EOS ignored, greedy, and time it.
+
+        Without ``drafter_path`` on the plain engine, with it on the EAGLE-3 engine of that drafter and k (started
+        if needed). One untimed run of the same batch comes first (a batch's first shapes compile and autotune on a
+        GPU); the timed run follows, with the spec-decode counters read around it. With ``time_forwards`` a third
+        run times the target's forward inside the worker (synchronised, so not in the timed run): the plain step's
+        forward over one token per request, or the verify pass's over k + 1 (see
+        :func:`eagle3lab.cost_model.forward_summary` for when that cannot be measured).
+        """
+        check_prompts(prompt_ids)
+        if new_tokens < 1:
+            raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+        spec = None
+        if drafter_path is not None:
+            if num_speculative_tokens < 1:
+                raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+            if not (Path(drafter_path) / "config.json").is_file():
+                raise FileNotFoundError(f"no drafter config.json in {drafter_path}")
+            spec = self.eagle3_config(drafter_path, num_speculative_tokens)
+        k = num_speculative_tokens if spec is not None else 0
+        llm = self.llm(spec)
+        sp = self._sampling(new_tokens, 0.0, 1.0, 0, ignore_eos=True)
+        self._run_tokens(llm, prompt_ids, sp)  # warm-up of this batch
+        before = llm.get_metrics() if spec is not None else None
+        t0 = time.perf_counter()
+        outs = self._run_tokens(llm, prompt_ids, sp)
+        seconds = time.perf_counter() - t0
+        stats = stats_from_vllm_metrics(before, llm.get_metrics()) if spec is not None else None
+        timing = DecodeTiming(batch=len(prompt_ids), new_tokens=new_tokens, seconds=seconds,
+                              output_tokens=sum(map(len, outs)), num_speculative_tokens=k, stats=stats,
+                              forward_note="not timed")
+        if time_forwards:
+            try:
+                infos = llm.apply_model(install_forward_timer)
+            except Exception as exc:  # noqa: BLE001 - a worker that cannot be instrumented leaves the figure unmeasured
+                timing.forward_note = f"not measured: the forward timer could not be installed ({type(exc).__name__}: {exc})"
+                return timing
+            try:
+                self._run_tokens(llm, prompt_ids, sp)
+                answers = [a for a in llm.apply_model(drain_forward_timer) if a]
+            finally:
+                llm.apply_model(remove_forward_timer)
+            timing.forward_seconds, timing.forward_note = forward_summary(answers[0] if answers else [],
+                                                                          len(prompt_ids) * (1 + k))
+            timing.device, timing.dtype = infos[0]["device"], infos[0]["dtype"]
+        return timing
 
     # -- inspection
     def worker_reports(self) -> list[WorkerReport]:

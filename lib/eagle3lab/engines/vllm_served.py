@@ -37,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from eagle3lab.acceptance import METRIC_PREFIX, SpecDecodeStats, stats_from_vllm_metrics
 from eagle3lab.engines.base import (
     Batch1Timing,
+    DecodeTiming,
     SpeculativeResult,
     check_generate_args,
     check_prompts,
@@ -498,18 +499,20 @@ class VllmServedEngine:
         self.close()
 
     # -- requests
-    def _complete(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[int]:
+    def _complete(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int,
+                  ignore_eos: bool = False) -> list[int]:
         import openai
 
         try:
-            return self._complete_once(prompt, max_new_tokens, temperature, top_p, seed)
+            return self._complete_once(prompt, max_new_tokens, temperature, top_p, seed, ignore_eos)
         except openai.APIConnectionError:
             if self.server is not None and not self.server.running():
                 self._raise_died()
             raise
 
     def _complete_once(
-        self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int
+        self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int,
+        ignore_eos: bool = False,
     ) -> list[int]:
         r = self._client.completions.create(
             model=self.base_spec.served_model_name,
@@ -521,21 +524,24 @@ class VllmServedEngine:
             # return_token_ids: vllm/entrypoints/openai/completion/protocol.py (CompletionRequest) puts the
             # output ids in choices[i].token_ids. top_k 0 disables top-k, as the reference engine does,
             # instead of inheriting one from the model's generation_config.json.
-            extra_body={"return_token_ids": True, "top_k": 0},
+            # ignore_eos (vLLM's sampling extension) keeps a timed batch whole: every request runs max_tokens.
+            extra_body={"return_token_ids": True, "top_k": 0, **({"ignore_eos": True} if ignore_eos else {})},
         )
         ids = r.choices[0].model_extra.get("token_ids") if r.choices[0].model_extra else None
         if ids is None:
             raise ServerError("the server returned no token_ids: does this vLLM support return_token_ids?")
-        return cut_at_eos([int(t) for t in ids], self.eos_token_id)[:max_new_tokens]
+        ids = [int(t) for t in ids]
+        return (ids if ignore_eos else cut_at_eos(ids, self.eos_token_id))[:max_new_tokens]
 
     def _batch(
-        self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
+        self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int,
+        ignore_eos: bool = False, in_flight: int = 32,
     ) -> list[list[int]]:
-        # One request per prompt, all in flight at once: vLLM batches them (continuous batching), and each
+        # One request per prompt, up to in_flight at once: vLLM batches them (continuous batching), and each
         # prompt gets its own seed (seed + i).
-        with ThreadPoolExecutor(max_workers=min(32, len(prompt_ids))) as pool:
+        with ThreadPoolExecutor(max_workers=min(in_flight, len(prompt_ids))) as pool:
             futures = [
-                pool.submit(self._complete, p, max_new_tokens, temperature, top_p, seed + i)
+                pool.submit(self._complete, p, max_new_tokens, temperature, top_p, seed + i, ignore_eos)
                 for i, p in enumerate(prompt_ids)
             ]
             return [f.result() for f in futures]
@@ -564,6 +570,40 @@ class VllmServedEngine:
         for i, p in enumerate(prompt_ids):
             timing.timed(lambda p=p, i=i: self._complete(p, max_new_tokens, 0.0, 1.0, i))
         return timing
+
+    def time_decode(
+        self,
+        prompt_ids: list[list[int]],
+        new_tokens: int,
+        drafter_path: str | Path | None = None,
+        num_speculative_tokens: int = 0,
+        time_forwards: bool = True,
+    ) -> DecodeTiming:
+        """The offline engine's ``time_decode`` over HTTP: every prompt's request in flight at once (the batch),
+        ``new_tokens`` each with EOS ignored, greedy; an untimed run of the same batch, then the timed one, with
+        ``/metrics`` read around it for EAGLE-3. The target's forward is not timed (``time_forwards`` is accepted
+        and ignored): the server's workers are out of this process's reach."""
+        check_prompts(prompt_ids)
+        if new_tokens < 1:
+            raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+        k = num_speculative_tokens if drafter_path is not None else 0
+        if drafter_path is not None:
+            if k < 1:
+                raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+            if not Path(drafter_path).is_dir():
+                raise FileNotFoundError(f"drafter folder does not exist: {drafter_path}")
+        server = self._server_for(drafter_path, k)
+        n = len(prompt_ids)
+        self._batch(prompt_ids, new_tokens, 0.0, 1.0, 0, ignore_eos=True, in_flight=n)  # warm-up of this batch
+        before = server.metrics_text() if k else None
+        t0 = time.perf_counter()
+        outs = self._batch(prompt_ids, new_tokens, 0.0, 1.0, 0, ignore_eos=True, in_flight=n)
+        seconds = time.perf_counter() - t0
+        stats = _with_positions(stats_from_metrics_text(before, server.metrics_text()), k) if k else None
+        return DecodeTiming(batch=n, new_tokens=new_tokens, seconds=seconds, output_tokens=sum(map(len, outs)),
+                            num_speculative_tokens=k, stats=stats,
+                            forward_note="not measured: the served engine's workers are out of reach (no "
+                                         "LLM.apply_model over HTTP)")
 
     def spec_decode_stats(self) -> SpecDecodeStats:
         """Cumulative spec-decode counters of the running server."""
