@@ -37,6 +37,9 @@ def test_make_gives_each_figures_spread_and_check_flags_a_run_outside_it(tmp_pat
     assert all(inside.values()) and len(inside) == len(r["figures"])
     outside = {label: ok for label, _, _, _, ok in SR.check(record(3, 125.7, 2.05, 1.45), r)}
     assert outside == {**inside, "target held-out perplexity": False}
+    slow = SR.make([record(None, 130.0, 2.0, 1.5, wall=3850.0), *recs[1:]], ["a", "b", "c"], untimed={0: "busy"})
+    assert slow["figures"]["wall_seconds"]["values"] == {"1": 600.0, "2": 600.0}  # seed 0's timing left out
+    assert slow["figures"]["target.heldout_ppl"]["values"]["0"] == 130.0 and slow["timing_left_out"] == {"0": "busy"}
     with pytest.raises(ValueError, match="two records of one seed"):
         SR.make([record(1, 1, 1, 1), record(1, 2, 2, 2)], ["a", "b"])
 

@@ -57,17 +57,26 @@ def seed_of(record: dict[str, Any]) -> int:
     return 0
 
 
-def make(records: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
-    """Per figure: the values per seed, mean, min, max; the ablation's winner and resolution per seed."""
+TIMING = ("wall_seconds",)
+
+
+def make(records: list[dict[str, Any]], names: list[str], untimed: dict[int, str] | None = None) -> dict[str, Any]:
+    """Per figure: the values per seed, mean, min, max; the ablation's winner and resolution per seed.
+
+    ``untimed``: seed -> why its wall time says nothing (it ran beside other work); its timing is left out of the
+    timing figures' range, its other figures kept (they do not depend on the machine's load)."""
+    untimed = untimed or {}
     seeds = [seed_of(r) for r in records]
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"two records of one seed: {seeds}")
     per = [figures(r) for r in records]
     out: dict[str, Any] = {}
     for key, (label, _) in FIGURES.items():
-        vals = [p[key] for p in per if key in p]
-        if len(vals) == len(per):
-            out[key] = {"label": label, "values": dict(zip(map(str, seeds), vals, strict=True)),
+        pairs = [(s, p[key]) for s, p in zip(seeds, per, strict=True)
+                 if key in p and not (key in TIMING and s in untimed)]
+        if len(pairs) == len([s for s in seeds if not (key in TIMING and s in untimed)]) and pairs:
+            vals = [v for _, v in pairs]
+            out[key] = {"label": label, "values": {str(s): v for s, v in pairs},
                         "mean": statistics.fmean(vals), "min": min(vals), "max": max(vals)}
     ablation = {str(s): {"best": r["headline"].get("acceptance.ablation_best"),
                          "resolved": r["headline"].get("acceptance.ablation_resolved"),
@@ -75,7 +84,8 @@ def make(records: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
                 for s, r in zip(seeds, records, strict=True)}
     machines = {json.dumps(r.get("machine", {}), sort_keys=True) for r in records}
     return {"what": "the default profile's headline figures over seeds (benchmarks/tools/seed_ranges.py)",
-            "records": names, "seeds": seeds, "machine": [json.loads(m) for m in machines],
+            "records": names, "seeds": seeds, "timing_left_out": {str(k): v for k, v in untimed.items()},
+            "machine": [json.loads(m) for m in machines],
             "packages": records[0].get("packages", {}), "figures": out, "ablation": ablation}
 
 
@@ -108,13 +118,16 @@ def main() -> int:
     mk = sub.add_parser("make")
     mk.add_argument("records", nargs="+")
     mk.add_argument("--out", required=True)
+    mk.add_argument("--untimed", action="append", default=[], metavar="SEED=WHY",
+                    help="a seed whose wall time is left out of the range (it ran beside other work), and why")
     ck = sub.add_parser("check")
     ck.add_argument("record")
     ck.add_argument("--ranges", default=None)
     a = ap.parse_args()
     if a.cmd == "make":
         recs = [json.loads(Path(p).read_text()) for p in a.records]
-        Path(a.out).write_text(json.dumps(make(recs, [Path(p).name for p in a.records]), indent=1) + "\n")
+        untimed = {int(u.split("=", 1)[0]): u.split("=", 1)[1] for u in a.untimed}
+        Path(a.out).write_text(json.dumps(make(recs, [Path(p).name for p in a.records], untimed), indent=1) + "\n")
         print(f"-> {a.out}")
         return 0
     ranges_path = Path(a.ranges) if a.ranges else latest_ranges()
