@@ -72,9 +72,9 @@ def make(records: list[dict[str, Any]], names: list[str], untimed: dict[int, str
     per = [figures(r) for r in records]
     out: dict[str, Any] = {}
     for key, (label, _) in FIGURES.items():
-        pairs = [(s, p[key]) for s, p in zip(seeds, per, strict=True)
-                 if key in p and not (key in TIMING and s in untimed)]
-        if len(pairs) == len([s for s in seeds if not (key in TIMING and s in untimed)]) and pairs:
+        kept = [(s, p) for s, p in zip(seeds, per, strict=True) if not (key in TIMING and s in untimed)]
+        pairs = [(s, p[key]) for s, p in kept if key in p]
+        if pairs and len(pairs) == len(kept):  # a figure some kept record lacks gets no range
             vals = [v for _, v in pairs]
             out[key] = {"label": label, "values": {str(s): v for s, v in pairs},
                         "mean": statistics.fmean(vals), "min": min(vals), "max": max(vals)}

@@ -939,16 +939,19 @@ class Ablation:
         """Which ids each set reads, and its τ."""
         return SW.ablation_figure(self.results, num_layers, reference="profile")
 
+    def _best_name(self) -> str:
+        return max(self.results, key=lambda n: self.results[n][1].tau.value)
+
     def best(self) -> str:
         """The set with the highest τ, as ``name [ids]``."""
-        name = max(self.results, key=lambda n: self.results[n][1].tau.value)
+        name = self._best_name()
         return f"{name} {self.results[name][0]}"
 
     def tied_with_best(self) -> list[str]:
         """The other sets whose 95% interval reaches the best set's: within the noise of the winner. The same
         code and seed pick another winner on another CPU (issue 35), so a winner is named only when this is
         empty."""
-        name = max(self.results, key=lambda n: self.results[n][1].tau.value)
+        name = self._best_name()
         lo = self.results[name][1].tau.lo
         return [f"{n} {ids}" for n, (ids, iv) in self.results.items() if n != name and iv.tau.hi >= lo]
 
