@@ -238,6 +238,10 @@ class DataParams(_Strict):
     # Where 03 gets the aux states: "transformers" loads the target on one device; "engine" captures them
     # inside the vLLM engine that serves it (any tensor-parallel size: Kimi-K2.5), see eagle3lab.engines.capture.
     extractor: Literal["transformers", "engine"] = "transformers"
+    # With extractor "engine": 03 compares this many stored sequences with transformers' hidden states of the same
+    # target (same device and dtype, after the engine is closed). 0 turns it off, for a target transformers cannot
+    # hold on one device (Kimi-K2.5).
+    engine_check_sequences: int = Field(4, ge=0)
 
 
 class DrafterParams(_Strict):
