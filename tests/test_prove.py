@@ -64,6 +64,10 @@ def test_comparison_tells_a_right_capture_from_a_shifted_one(one_thread):
     leaked[1, 4] = 1.0  # a row past the second sequence's 3 tokens
     with pytest.raises(ValueError, match="not empty"):
         prove.aux_against_transformers(model, leaked, seqs, ids, 128)
+    nan = capture(0)
+    nan[0] = float("nan")  # NaN compares false both ways: it must not read as a perfect match
+    with pytest.raises(ValueError, match="NaN or inf"):
+        prove.aux_against_transformers(model, nan, seqs, ids, 128)
 
 
 def _prove(arch: str, tmp_path, in_process: bool) -> tuple[subprocess.CompletedProcess, dict]:

@@ -187,3 +187,27 @@ def test_wrap_as_kimi_k25_keeps_the_weights_under_the_wrappers_prefix(tmp_path):
     (tmp_path / "llama/config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="not a DeepSeek-V3-family"):
         T.wrap_as_kimi_k25(tmp_path / "llama", tmp_path / "x")
+
+
+@pytest.mark.parametrize("family, arch, tied", [("gemma3_text", "Gemma3ForCausalLM", True),
+                                                ("exaone4", "Exaone4ForCausalLM", False)])
+def test_dense_families_build_train_and_round_trip(family, arch, tied, tokenizer, corpus, tmp_path):
+    """The dense families keep their quirks (Gemma-3's scaled embeddings and tied head, Exaone-4's post-LN layers)
+    and save under the architecture vLLM registers."""
+    spec = T.tiny_spec(architecture=family, num_key_value_heads=2, head_dim=32, intermediate_size=256)
+    cfg = T.make_config(spec, tokenizer)
+    assert cfg.model_type == family and cfg.architectures == [arch] and cfg.tie_word_embeddings is tied
+    assert cfg.num_key_value_heads == 2 and cfg.head_dim == 32 and cfg.hidden_size == spec.hidden_size
+    r = T.train_target(cfg, tokenizer, corpus, steps=4, batch_size=2, seq_len=16, lr=3e-3, seed=0, progress=False)
+    # dense: every parameter is active (the rough count leaves the norms' weights out)
+    assert r.num_params == T.count_parameters(r.model) and 0.99 * r.num_params < r.active_params <= r.num_params
+    T.save_target(r.model, tokenizer, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == [arch] and saved["model_type"] == family
+    loaded, _ = TL.load_target(tmp_path)
+    x = torch.randint(3, 300, (1, 9))
+    with torch.no_grad():
+        assert torch.allclose(r.model(input_ids=x).logits, loaded(input_ids=x).logits, atol=1e-6)
+    if family == "gemma3_text":  # the quirk 05's agreement is about: the model scales its embeddings itself
+        emb = loaded.get_input_embeddings()
+        assert torch.allclose(emb(x), emb.weight[x] * spec.hidden_size ** 0.5, rtol=1e-3)

