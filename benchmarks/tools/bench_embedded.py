@@ -59,51 +59,70 @@ def cpu_kernels() -> dict[str, str | bool]:
             "amx": " amx_tile" in flags}
 
 
+def record(summary: dict, run_dir: Path | None, command: str, wall: float | None, peak: int | None,
+           exit_code: int) -> dict:
+    """The benchmark record of a run (its metrics.json as ``summary``); wall time and memory only when measured."""
+    merged = {k: v for m in summary.get("metrics", {}).values() for k, v in m.items()}
+    timing = {} if wall is None else {"wall_seconds": round(wall, 1), "peak_rss_gb": round((peak or 0) / 2**30, 2)}
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30, 1),
+                    "python": platform.python_version(), **cpu_kernels()},
+        "packages": package_versions(),
+        "command": command,
+        "exit_code": exit_code,
+        **timing,
+        "steps": summary.get("steps", []),
+        "run_dir": str(run_dir) if run_dir else None,
+        "headline": {k: merged[k] for k in sorted(merged) if k.startswith(("acceptance.", "target.", "train.", "hidden.", "data.",
+                                                                        "patch.engine.", "patch.legacy_simulation"))},
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", default=str(ROOT / "params" / "embedded.yaml"))
     ap.add_argument("-p", dest="overrides", action="append", default=[])
     ap.add_argument("--check", action="store_true",
                     help="compare the figures with the newest benchmarks/<profile>-ranges-*.json (exit 1 outside)")
+    ap.add_argument("--from-run", type=Path, default=None, metavar="RUN",
+                    help="record an existing run folder instead of running (no wall time or memory: say why with "
+                         "seed_ranges.py make --untimed); its seed is the folder's params.yaml's")
     a = ap.parse_args()
-    cmd = [sys.executable, "-m", "eagle3lab", "run", "--params", a.params, "--no-progress"]
-    for o in a.overrides:
-        cmd += ["-p", o]
-    t0 = time.time()
-    child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    proc = psutil.Process(child.pid)
-    peak = 0
-    while child.poll() is None:
-        peak = max(peak, tree_rss(proc))
-        time.sleep(0.5)
-    wall = time.time() - t0
-    out = child.stdout.read() if child.stdout else ""
-    print(out, end="")
-    report_line = [ln for ln in out.splitlines() if ln.startswith("report: ")]
-    run_dir = Path(report_line[-1].split("report: ", 1)[1]).parent if report_line else None
-    summary = json.loads((run_dir / "metrics.json").read_text()) if run_dir else {}
-    merged = {k: v for m in summary.get("metrics", {}).values() for k, v in m.items()}
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30, 1),
-                    "python": platform.python_version(), **cpu_kernels()},
-        "packages": package_versions(),
-        "command": " ".join(cmd[1:]),
-        "exit_code": child.returncode,
-        "wall_seconds": round(wall, 1),
-        "peak_rss_gb": round(peak / 2**30, 2),
-        "steps": summary.get("steps", []),
-        "run_dir": str(run_dir) if run_dir else None,
-        "headline": {k: merged[k] for k in sorted(merged) if k.startswith(("acceptance.", "target.", "train.", "hidden.", "data.",
-                                                                        "patch.engine.", "patch.legacy_simulation"))},
-    }
+    if a.from_run is not None:
+        import yaml
+
+        seed = yaml.safe_load((a.from_run / "params.yaml").read_text()).get("seed", 0)
+        a.overrides = [o for o in a.overrides if not o.startswith("seed=")] + [f"seed={seed}"]
+        summary = json.loads((a.from_run / "metrics.json").read_text())
+        how = f"recorded from the run folder {a.from_run} (resumed: {summary.get('run', {}).get('resumed', 'no')})"
+        ok = bool(summary.get("steps")) and all(st["status"] == "ok" for st in summary["steps"])
+        result = record(summary, a.from_run, f"{how}; seed={seed}", None, None, 0 if ok else 1)
+    else:
+        cmd = [sys.executable, "-m", "eagle3lab", "run", "--params", a.params, "--no-progress"]
+        for o in a.overrides:
+            cmd += ["-p", o]
+        t0 = time.time()
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        proc = psutil.Process(child.pid)
+        peak = 0
+        while child.poll() is None:
+            peak = max(peak, tree_rss(proc))
+            time.sleep(0.5)
+        wall = time.time() - t0
+        out = child.stdout.read() if child.stdout else ""
+        print(out, end="")
+        report_line = [ln for ln in out.splitlines() if ln.startswith("report: ")]
+        run_dir = Path(report_line[-1].split("report: ", 1)[1]).parent if report_line else None
+        summary = json.loads((run_dir / "metrics.json").read_text()) if run_dir else {}
+        result = record(summary, run_dir, " ".join(cmd[1:]), wall, peak, child.returncode)
     profile = Path(a.params).stem
     seed = next((o.split("=", 1)[1] for o in a.overrides if o.startswith("seed=")), None)
     tag = f"{profile}-seed{seed}" if seed is not None else profile
     dest = ROOT / "benchmarks" / f"{tag}-{datetime.now().strftime('%Y%m%d-%H%M')}.json"
     dest.write_text(json.dumps(result, indent=2))
-    print(f"wall {wall:.0f} s, peak RSS {peak / 2**30:.2f} GB -> {dest}")
-    if a.check and child.returncode == 0:
+    print(f"wall {result.get('wall_seconds')} s, peak RSS {result.get('peak_rss_gb')} GB -> {dest}")
+    if a.check and result["exit_code"] == 0:
         sys.path.insert(0, str(Path(__file__).parent))
         import seed_ranges
 
@@ -113,7 +132,7 @@ def main() -> int:
             return 2
         print(f"against {ranges.name}")
         return 0 if seed_ranges.print_check(seed_ranges.check(result, json.loads(ranges.read_text()))) else 1
-    return child.returncode
+    return result["exit_code"]
 
 
 if __name__ == "__main__":
