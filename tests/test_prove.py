@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from eagle3lab import prove
+from eagle3lab.aux_states.hooks import NonFiniteStates
 from test_serve import ROOT, _vllm_cpu_python
 
 
@@ -66,7 +67,7 @@ def test_comparison_tells_a_right_capture_from_a_shifted_one(one_thread):
         prove.aux_against_transformers(model, leaked, seqs, ids, 128)
     nan = capture(0)
     nan[0] = float("nan")  # NaN compares false both ways: it must not read as a perfect match
-    with pytest.raises(ValueError, match="NaN or inf"):
+    with pytest.raises(NonFiniteStates, match="NaN or inf"):
         prove.aux_against_transformers(model, nan, seqs, ids, 128)
 
 

@@ -34,7 +34,7 @@ import torch
 from eagle3lab import patch, vllm_compat
 from eagle3lab import target as T
 from eagle3lab import target_loading as TL
-from eagle3lab.aux_states.hooks import aux_against_transformers
+from eagle3lab.aux_states.hooks import NonFiniteStates, aux_against_transformers
 from eagle3lab.diagnose.target_info import read_json_config, target_info
 from eagle3lab.engines.capture import EngineAuxSource
 from eagle3lab.engines.launch_probe import probe_launch, random_probe_drafter
@@ -340,7 +340,7 @@ def prove(target: str, work_dir: str | Path, timeout_s: float = 900.0, seed: int
         worst, per_id, nearest = aux_against_transformers(model, aux, seqs, AUX_IDS, hidden)
     except ValueError as exc:
         check("aux states", False, str(exc))
-        if "NaN or inf" in str(exc) and _vllm_own_logits_finite(job, work, timeout_s) is False:
+        if isinstance(exc, NonFiniteStates) and _vllm_own_logits_finite(job, work, timeout_s) is False:
             # not our forward's doing: this vLLM cannot run the family here at all, so nothing is proven either way
             check("vLLM's own logits, no patch and no drafter", False, "NaN or inf")
             return done("unproven", f"this vLLM's own forward of the tiny {arch} gives NaN or inf logits here, "

@@ -154,6 +154,22 @@ def train_tokenizer(corpus: Corpus, vocab_size: int):
     )
 
 
+def _shared_fields(spec: EmbeddedTarget, tokenizer: Any) -> dict[str, Any]:
+    """The config fields every family takes from the spec and the tokenizer alike."""
+    return {"vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_hidden_layers,
+            "num_attention_heads": spec.num_attention_heads,
+            "max_position_embeddings": spec.max_position_embeddings, "initializer_range": 0.02,
+            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+
+
+def _gqa_fields(spec: EmbeddedTarget) -> dict[str, Any]:
+    """Grouped-query attention's heads (every family but DeepSeek's MLA): key/value heads (None: as many as query
+    heads) and the head width."""
+    return {"num_key_value_heads": spec.num_key_value_heads or spec.num_attention_heads, "head_dim": spec.head_dim}
+
+
 def make_config(spec: EmbeddedTarget, tokenizer: Any):
     """A plain DeepseekV3Config for ``spec`` (router with one group, no rope scaling, float32)."""
     from transformers import DeepseekV3Config
@@ -161,17 +177,14 @@ def make_config(spec: EmbeddedTarget, tokenizer: Any):
     vocab = len(tokenizer)
     if vocab > spec.vocab_size:
         raise ValueError(f"tokenizer has {vocab} tokens, more than spec.vocab_size {spec.vocab_size}")
-    if getattr(spec, "architecture", "deepseek_v3") == "glm4_moe":
+    arch = getattr(spec, "architecture", "deepseek_v3")
+    if arch == "glm4_moe":
         return _make_glm4_moe_config(spec, tokenizer)
-    if getattr(spec, "architecture", "deepseek_v3") in DENSE_FAMILIES:
+    if arch in DENSE_FAMILIES:
         return _make_dense_config(spec, tokenizer)
     cfg = DeepseekV3Config(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
+        **_shared_fields(spec, tokenizer),
         moe_intermediate_size=spec.moe_intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_attention_heads,
         n_shared_experts=spec.n_shared_experts,
         n_routed_experts=spec.n_routed_experts,
@@ -192,7 +205,6 @@ def make_config(spec: EmbeddedTarget, tokenizer: Any):
         qk_rope_head_dim=spec.qk_rope_head_dim,
         qk_nope_head_dim=spec.qk_nope_head_dim,
         v_head_dim=spec.v_head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
         # transformers 5 keeps rope settings in rope_parameters; plain default RoPE, no scaling.
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         rope_interleave=True,
@@ -200,10 +212,6 @@ def make_config(spec: EmbeddedTarget, tokenizer: Any):
         num_nextn_predict_layers=0,
         tie_word_embeddings=False,
         attention_bias=False,
-        initializer_range=0.02,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     cfg.architectures = ["DeepseekV3ForCausalLM"]
     _set_dtype(cfg, torch.float32)
@@ -216,16 +224,11 @@ def _make_glm4_moe_config(spec: EmbeddedTarget, tokenizer: Any):
     from transformers import Glm4MoeConfig
 
     cfg = Glm4MoeConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
+        **_shared_fields(spec, tokenizer),
+        # head_dim is not a declared field of transformers 5's Glm4MoeConfig, but read by its attention and by
+        # vLLM's (config.head_dim): stated so that the head width is the spec's, not hidden_size // heads.
+        **_gqa_fields(spec),
         moe_intermediate_size=spec.moe_intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads or spec.num_attention_heads,
-        # Not a declared field of transformers 5's Glm4MoeConfig, but read by its attention and by vLLM's
-        # (config.head_dim): stated so that the head width is the spec's, not hidden_size // heads.
-        head_dim=spec.head_dim,
         n_shared_experts=spec.n_shared_experts,
         n_routed_experts=spec.n_routed_experts,
         num_experts_per_tok=spec.num_experts_per_tok,
@@ -235,7 +238,6 @@ def _make_glm4_moe_config(spec: EmbeddedTarget, tokenizer: Any):
         topk_group=1,
         norm_topk_prob=True,
         routed_scaling_factor=1.0,
-        max_position_embeddings=spec.max_position_embeddings,
         # Both transformers and vLLM read the rotary fraction from rope_parameters (vLLM defaults it to 0.5).
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "partial_rotary_factor": spec.partial_rotary_factor},
@@ -244,10 +246,6 @@ def _make_glm4_moe_config(spec: EmbeddedTarget, tokenizer: Any):
         # No multi-token-prediction layer: the checkpoint holds exactly num_hidden_layers layers.
         num_mtp_layers=0,
         tie_word_embeddings=False,
-        initializer_range=0.02,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     cfg.architectures = ["Glm4MoeForCausalLM"]
     _set_dtype(cfg, torch.float32)
@@ -266,22 +264,8 @@ def _make_dense_config(spec: EmbeddedTarget, tokenizer: Any):
     QK norms) is the family's default, so the quirks under test stay in."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model(
-        spec.architecture,
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads or spec.num_attention_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.architecture == "gemma3_text",
-        initializer_range=0.02,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    cfg = AutoConfig.for_model(spec.architecture, **_shared_fields(spec, tokenizer), **_gqa_fields(spec),
+                               tie_word_embeddings=spec.architecture == "gemma3_text")
     cfg.architectures = [DENSE_FAMILIES[spec.architecture]]
     _set_dtype(cfg, torch.float32)
     return cfg
@@ -324,14 +308,10 @@ def active_parameters(config: Any) -> int:
     h, L = config.hidden_size, config.num_hidden_layers
     heads = config.num_attention_heads
     if config.model_type in DENSE_FAMILIES:  # every parameter is active (norm weights left out)
-        hd = config.head_dim
-        attn = h * heads * hd + 2 * h * config.num_key_value_heads * hd + heads * hd * h
         head = 0 if config.tie_word_embeddings else config.vocab_size * h
-        return L * (attn + 3 * h * config.intermediate_size) + config.vocab_size * h + head
-    if config.model_type == "glm4_moe":  # q, k, v, o projections of grouped-query attention (biases left out)
-        hd = config.head_dim
-        attn = h * heads * hd + 2 * h * config.num_key_value_heads * hd + heads * hd * h
-        return L * attn + _ffn_parameters(config) + 2 * config.vocab_size * h
+        return L * (_gqa_attention_parameters(config) + 3 * h * config.intermediate_size) + config.vocab_size * h + head
+    if config.model_type == "glm4_moe":
+        return L * _gqa_attention_parameters(config) + _ffn_parameters(config) + 2 * config.vocab_size * h
     qk = config.qk_nope_head_dim + config.qk_rope_head_dim
     q = h * config.q_lora_rank + config.q_lora_rank * heads * qk if config.q_lora_rank else h * heads * qk
     kv = h * (config.kv_lora_rank + config.qk_rope_head_dim) + config.kv_lora_rank * heads * (
@@ -339,6 +319,12 @@ def active_parameters(config: Any) -> int:
     )
     attn = q + kv + heads * config.v_head_dim * h
     return L * attn + _ffn_parameters(config) + 2 * config.vocab_size * h
+
+
+def _gqa_attention_parameters(config: Any) -> int:
+    # q, k, v, o projections of one grouped-query attention layer (biases left out)
+    h, hd = config.hidden_size, config.head_dim
+    return 2 * h * config.num_attention_heads * hd + 2 * h * config.num_key_value_heads * hd
 
 
 def _ffn_parameters(config: Any) -> int:

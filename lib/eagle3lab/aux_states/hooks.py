@@ -201,6 +201,11 @@ def verify_aux_mapping(
 
 # ---- an engine's aux states against transformers' (prove, 03's in-engine route) -------------------------------
 
+
+class NonFiniteStates(ValueError):
+    """A side of the comparison holds NaN or inf: there is nothing to compare (NaN compares false both ways)."""
+
+
 _FINAL_NORMS = ("norm", "final_layernorm", "final_norm", "ln_f", "norm_f")
 
 
@@ -220,8 +225,8 @@ def aux_against_transformers(model: torch.nn.Module, aux: torch.Tensor, seqs: li
     states ``aux`` (sequences x positions x ids*hidden) and ``model``'s residual stream at the same ids: vLLM's id
     k is transformers' ``hidden_states[k]`` for k < L, and the final norm's input for k = L (transformers'
     ``hidden_states[L]`` is taken after that norm). Differences are max |a - b| over the reference's max |b|.
-    ValueError when the padding rows past a sequence are not empty (another sequence's states leaked in), or when
-    either side holds NaN or inf values."""
+    ValueError when the padding rows past a sequence are not empty (another sequence's states leaked in);
+    NonFiniteStates (a ValueError) when either side holds NaN or inf values."""
     device = next(model.parameters()).device
     worst, nearest_wrong = 0.0, float("inf")
     per_id: dict[int, float] = {}
@@ -242,7 +247,7 @@ def aux_against_transformers(model: torch.nn.Module, aux: torch.Tensor, seqs: li
             # NaN compares false both ways: max() and min() would skip it and report a perfect match
             for name, t in (("the engine's aux states", got), ("transformers' hidden states", torch.stack(layers))):
                 if not torch.isfinite(t).all():
-                    raise ValueError(f"sequence {r}: {name} hold NaN or inf values, nothing to compare")
+                    raise NonFiniteStates(f"sequence {r}: {name} hold NaN or inf values, nothing to compare")
             for j, k in enumerate(ids):
                 if k >= len(layers):
                     raise ValueError(f"id {k}: transformers gave {len(layers)} states and no final norm was found")
