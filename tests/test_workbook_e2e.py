@@ -80,6 +80,14 @@ def test_smoke_workbook_end_to_end(smoke_run):
         train_p["ttt_decay"] ** j for j in range(train_p["ttt_steps"]))
     assert m["train.final_loss"] < uniform - UNIFORM_MARGIN, (m["train.final_loss"], uniform)
 
+    # 04's pipeline table: the stages in sample tokens, read back from 03's and 04's own figures.
+    assert m["pipeline.extract.bytes"] == m["hidden.bytes"]
+    assert m["pipeline.extract.tokens"] == m["data.tokens"]
+    per_epoch = math.ceil(m["data.num_samples"] / train_p["batch_size"])
+    assert math.isclose(m["pipeline.train.tokens"], m["data.tokens"] * m["train.steps"] / per_epoch, rel_tol=1e-9)
+    assert math.isclose(m["pipeline.train.tokens_per_s"], m["pipeline.train.tokens"] / m["train.seconds"],
+                        rel_tol=1e-9)
+
     out_of_band = {k: m[k] for k, (lo, hi) in BANDS.items() if not lo <= m[k] <= hi}
     assert not out_of_band, f"outside the regression bands {BANDS}: {out_of_band}"
 

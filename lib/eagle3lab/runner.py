@@ -212,6 +212,7 @@ def run(
     info = {
         "run": run_dir.name,
         "profile": p.profile,
+        "description": p.description,  # the profile's own reason for its sizes, on the index page
         "params_file": str(pfile),
         "overrides": list(overrides or []),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),

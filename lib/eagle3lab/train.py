@@ -296,15 +296,17 @@ def train_drafter(
         raise ValueError("train_drafter: the dataset is empty (no sequences to train on)")
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
-    first = dataset[0]
     width = drafter.fc.in_features
-    if first["aux"].shape[-1] != width:
+    # a stored dataset says its width; reading an item would cost an online dataset a target forward
+    ids_attr, hidden_attr = getattr(dataset, "aux_layer_ids", None), getattr(dataset, "hidden_size", None)
+    have = len(ids_attr) * int(hidden_attr) if ids_attr is not None and hidden_attr is not None \
+        else dataset[0]["aux"].shape[-1]
+    if have != width:
         raise ValueError(
-            f"dataset aux width {first['aux'].shape[-1]} does not match the drafter's fc input {width} "
+            f"dataset aux width {have} does not match the drafter's fc input {width} "
             f"({drafter.config.num_aux} aux layers x target hidden {drafter.config.target_hidden_size}); "
             "were the hidden states extracted for other aux layers or another target?"
         )
-    ids_attr = getattr(dataset, "aux_layer_ids", None)
     if ids_attr is not None and sorted(ids_attr) != drafter.config.aux_layer_ids:
         raise ValueError(f"dataset aux_layer_ids {list(ids_attr)} differ from the drafter's {drafter.config.aux_layer_ids}")
 
@@ -369,7 +371,10 @@ def train_drafter(
         epoch, i = divmod(step, steps_per_epoch)
         if epoch not in epoch_batches:
             epoch_batches = {epoch: _batch_indices(n, batch_size, epoch, seed)}
-        batch = collate([dataset[j] for j in epoch_batches[epoch][i]], max_seq_len)
+        idx = epoch_batches[epoch][i]
+        # an online dataset (eagle3lab.aux_states.online) computes a whole batch's aux states in one forward
+        items = dataset.get_batch(idx) if hasattr(dataset, "get_batch") else [dataset[j] for j in idx]
+        batch = collate(items, max_seq_len)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total_steps, lr, warmup)
         loss, step_losses, accs = ttt_loss(drafter, batch, ttt_steps, ttt_decay)

@@ -36,6 +36,13 @@ MANIFEST = "manifest.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def storage_dtype(name: str) -> torch.dtype:
+    """The torch dtype aux states are stored in (``data.hidden_dtype``)."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r}: expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
 @dataclass
 class ExtractionStats:
     """Totals of an extraction (over all runs of a resumed one)."""
