@@ -4,10 +4,12 @@ from a fake run whose figures are round, from the seed's reported figures, or fr
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eagle3lab import pipeline
 from eagle3lab.pipeline import KIMI_K25, SEED, Projection, SeedPipeline, Stage, TargetShape
@@ -237,14 +239,15 @@ def test_projecting_the_fake_run_to_kimi():
 
 def test_the_assumptions_name_each_rule_with_its_numbers():
     a = pipeline.project(fake_stages(), OURS, KIMI_K25, 10_000, 2000, 5).assumptions
-    assert len(a) == 6
-    workload, fmt, active, gpus, train, gpu_type = a
+    assert len(a) == 7
+    workload, fmt, active, gpus, fixed, train, gpu_type = a
     assert "10,000 x 2,000.0 = 20.00 M" in workload
     assert "bytes/token = num_aux x hidden x bytes_per_value = 3 x 7,168 x 2 = 43,008 B" in fmt
     assert "exact: it is the format" in fmt
     assert "our run stored 6,000.0 B/token" in fmt
     assert "active parameters per token" in active and "320.0x" in active
     assert "divided by 8 / 1 = 8" in gpus and "ideal tensor-parallel" in gpus and "optimistic" in gpus
+    assert "engine's start" in fixed and "one sequence per request" in fixed
     assert "width squared" in train and "(7,168 / 1,000)^2 = 51.4x" in train and "5 epochs" in train
     assert "same as the measured run's" in gpu_type
 
@@ -377,3 +380,14 @@ def test_a_gpu_run_without_a_shape_says_what_is_missing():
     params = {"engine": {"device": "cuda:0"}, "data": {"hidden_dtype": "bfloat16"}}
     section = pipeline.report_for_run(fake_metrics(), params)
     assert section.projection is None and "hidden_size" in section.reason
+
+
+def test_a_cut_run_is_read_from_its_step_files(tmp_path):
+    """A run cut before the runner wrote metrics.json (a device budget ran out) keeps metrics/<notebook>.json."""
+    (tmp_path / "metrics").mkdir()
+    for step, values in METRICS["metrics"].items():
+        (tmp_path / "metrics" / f"{step}.json").write_text(json.dumps(values))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(PARAMS))
+    assert pipeline.stages_from_run(tmp_path) == pipeline.stages_from_metrics(METRICS, PARAMS)
+    with pytest.raises(FileNotFoundError, match="metrics"):
+        pipeline.read_run(tmp_path / "nothing")

@@ -275,9 +275,17 @@ def shape_from_metrics(metrics: dict[str, Any], params: dict[str, Any]) -> Targe
 
 
 def read_run(run_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A run folder's metrics.json and params.yaml (``{}`` for a missing params.yaml)."""
+    """A run folder's metrics.json and params.yaml (``{}`` for a missing params.yaml). A run cut before the runner
+    wrote metrics.json still has each step's ``metrics/<notebook>.json``: those are read instead."""
     run_dir = Path(run_dir)
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    summary = run_dir / "metrics.json"
+    if summary.is_file():
+        metrics = json.loads(summary.read_text())
+    else:
+        steps = sorted((run_dir / "metrics").glob("*.json"))
+        if not steps:
+            raise FileNotFoundError(f"{run_dir}: neither metrics.json nor metrics/*.json")
+        metrics = {"metrics": {p.stem: json.loads(p.read_text()) for p in steps}}
     params_path = run_dir / "params.yaml"
     params = yaml.safe_load(params_path.read_text()) if params_path.is_file() else {}
     return metrics, params or {}
@@ -397,6 +405,9 @@ def assumptions(by: dict[str, Stage], ours: TargetShape, to: TargetShape, sample
         f"GPU count: generation and extraction divided by {to.gpus} / {ours.gpus} = {gpus:g} (ideal "
         "tensor-parallel scaling, optimistic: no all-reduce or all-to-all cost, every GPU as busy as one "
         "alone)",
+        "stage times as the run recorded them: 03's generation time includes the engine's start (and, compiled, "
+        "its torch.compile and CUDA-graph capture), and 03's in-engine extraction runs one sequence per request; "
+        "fixed costs like these are multiplied by the per-token rules too (pessimistic for a short run)",
         f"training: seconds per token pass scale with the drafter's width squared, one decoder layer at the "
         f"target's width: ({to.hidden_size:,} / {ours.hidden_size:,})^2 = {width:,.1f}x, per epoch, "
         f"{epochs} epochs (the draft vocabulary's head, linear in hidden, and sequence length left out); "
