@@ -17,6 +17,7 @@ import ast
 import inspect
 import textwrap
 from itertools import islice
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -333,6 +334,24 @@ def test_rewrite_keeps_docstring_and_signature(cls):
     exec(compile(new, "<rewritten>", "exec"), globals(), scope)  # noqa: S102 - our own test source
     assert inspect.signature(scope["forward"]) == inspect.signature(cls.forward)
     assert scope["forward"].__doc__ == cls.forward.__doc__
+
+
+def test_the_rewritten_code_lives_in_a_file_of_its_own_text(tmp_path, monkeypatch):
+    """vLLM keys its torch.compile cache by the text of each traced file, read from disk: the rewritten forward's
+    file must exist and hold exactly the code that runs, so that another rewrite gets another key."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cls_a, cls_b = list(VARIANTS)[:2]
+    fa, fb = _rewritten(cls_a), _rewritten(cls_b)
+    path_a, path_b = Path(fa.__code__.co_filename), Path(fb.__code__.co_filename)
+    assert path_a.is_file() and path_a.is_relative_to(tmp_path)
+    assert path_a != path_b  # other code, other file
+    text = path_a.read_text()
+    assert text.startswith("def _eagle3lab_factory(__class__):") and layer_loop.AUX in text
+    # the function's own source, as inspect (and a traceback) finds it, is the rewritten loop
+    assert layer_loop.AUX in inspect.getsource(fa) and "for " in inspect.getsource(fa)
+    # rewriting again reuses the same file, unchanged
+    assert Path(_rewritten(cls_a).__code__.co_filename) == path_a and path_a.read_text() == text
+    assert len(list(path_a.parent.glob("*.py"))) == 2 and not list(path_a.parent.glob(".*.tmp"))
 
 
 @by_name

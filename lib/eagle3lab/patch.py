@@ -27,11 +27,15 @@ from __future__ import annotations
 import __future__
 
 import functools
+import hashlib
 import inspect
+import os
 import sys
+import tempfile
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from eagle3lab import layer_loop, vllm_compat
@@ -654,6 +658,31 @@ def _delegating_getter(child: str, name: str) -> Callable[[Any], tuple[int, ...]
     return getter
 
 
+def _forward_file(owner: type, src: str) -> Path:
+    """A real file holding ``src``, named by its content, for the rewritten forward's code object.
+
+    vLLM's torch.compile cache is keyed by the text of every traced source file, read from disk; a synthetic file
+    name (``<...>``) cannot be read (vLLM logs "Failed to read file") and leaves our forward out of the key, so a
+    cache compiled with another rewrite could be reused. A content-named file keeps the key exact, and tracebacks
+    and ``inspect.getsource`` show the code that runs. Written atomically: every vLLM worker writes the same bytes.
+    """
+    digest = hashlib.sha256(src.encode()).hexdigest()[:16]
+    name = f"{owner.__module__}.{owner.__qualname__}.forward.{digest}.py"
+    for base in (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"), Path(tempfile.gettempdir())):
+        folder = base / "eagle3lab" / "forwards"
+        path = folder / name
+        try:
+            if not (path.is_file() and path.read_text() == src):
+                folder.mkdir(parents=True, exist_ok=True)
+                tmp = folder / f".{name}.{os.getpid()}.tmp"
+                tmp.write_text(src)
+                tmp.replace(path)
+            return path
+        except OSError:
+            continue  # a read-only home: the temp folder
+    raise OSError(f"nowhere to write the rewritten forward {name}")
+
+
 def _rewritten_forward(owner: type, p: PatchPlan) -> Callable[..., Any]:
     """``owner.forward`` of the installed release with aux collection added (:mod:`eagle3lab.layer_loop`),
     compiled in the model's own module so that every name it uses resolves as in the original."""
@@ -662,9 +691,8 @@ def _rewritten_forward(owner: type, p: PatchPlan) -> Callable[..., Any]:
     # A factory gives the function the __class__ cell that super() needs; annotations stay unevaluated strings
     # (names imported for type checking only must not be looked up).
     src = "def _eagle3lab_factory(__class__):\n" + textwrap.indent(body, "    ") + f"    return {original.__name__}\n"
-    file = inspect.getsourcefile(original) or owner.__module__
-    code = compile(src, f"<eagle3lab: {file} {owner.__qualname__}.forward, aux collection added>", "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    code = compile(src, str(_forward_file(owner, src)), "exec", flags=__future__.annotations.compiler_flag,
+                   dont_inherit=True)
     scope: dict[str, Any] = {}
     exec(code, sys.modules[owner.__module__].__dict__, scope)  # noqa: S102 - the installed forward, rewritten
     forward = scope["_eagle3lab_factory"](owner)
