@@ -495,3 +495,28 @@ def test_divergence_text_says_which_yardstick_and_which_run_left_float32():
     assert "neither at 1 prompt" in text and "both runs leave" in text and "only the" not in text
     # outputs that differ only in length leave no token to compare
     assert "only in length" in AR.divergence_text(DV.summarise([], compared=4, error=err))
+
+
+# --------------------------------------------------------------------------------------------- HumanEval on vLLM
+
+
+def test_humaneval_through_the_engine_reads_its_counters():
+    """On vLLM the HumanEval prompts also go through the engine's speculative decoding; τ is its counters'.
+    Rounds accepted 3, 1, 0 and 2 of k=3: τ = 1 + 6/4 = 2.5, positions 3/4, 2/4, 1/4."""
+    per_prompt = [stats(3, [3, 1]), stats(3, [0, 2])]
+    eng = FakeEngine(None, [[1], [2]], per_prompt)
+    he = AR.humaneval_with_engine(eng, "vllm", [[5, 6], [7]], Path("/d"), 3, 24)
+    assert eng.calls == [("spec", 2, 3, 0.0, None)]
+    m = he.metrics()
+    assert m["acceptance.humaneval_engine_tau"] == pytest.approx(2.5)
+    assert m["acceptance.humaneval_engine_drafts"] == 4
+    assert m["acceptance.humaneval_engine_per_position_rate"] == pytest.approx([0.75, 0.5, 0.25])
+    row = he.row(2.4)
+    assert row["τ at k=3, vLLM's counters"] == "2.500" and row["τ, exact replay"] == "2.400"
+    assert row["HumanEval prompts"] == 2 and row["new tokens each"] == 24
+    # the reference engine: its decoder is the replay itself, nothing more to run
+    ref = FakeEngine(None, [], [])
+    assert AR.humaneval_with_engine(ref, "reference", [[5]], Path("/d"), 3, 24) is None and ref.calls == []
+    # counters that never moved are an error, not a tau of 1
+    with pytest.raises(RuntimeError, match="did not move"):
+        AR.humaneval_with_engine(FakeEngine(None, [[1]], [stats(3, [])]), "vllm", [[5]], Path("/d"), 3, 24)

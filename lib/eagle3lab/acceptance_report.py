@@ -857,6 +857,43 @@ def humaneval(ref: Any, drafter: Any, tokenizer: Any, num_prompts: int, prompt_t
                      R.repetition_stats(generated(conts, new_tokens)), seconds)
 
 
+@dataclass
+class EngineHumanEval:
+    """HumanEval through the profile's engine's own speculative decoding: vLLM's spec-decode counters, the figure
+    a deployment reads, beside the exact replay's (which runs the drafter on transformers' greedy continuation)."""
+
+    k: int
+    prompts: int
+    new_tokens: int
+    stats: Any
+    seconds: float
+
+    def row(self, replay_tau: float | None) -> dict[str, Any]:
+        return {"HumanEval prompts": self.prompts, "new tokens each": self.new_tokens,
+                f"τ at k={self.k}, vLLM's counters": f"{self.stats.mean_acceptance_length:.3f}",
+                "drafts": self.stats.num_drafts,
+                "per position": ", ".join(f"{r:.3f}" for r in self.stats.per_position_rate),
+                "τ, exact replay": "–" if replay_tau is None else f"{replay_tau:.3f}"}
+
+    def metrics(self) -> dict[str, Any]:
+        return {"acceptance.humaneval_engine_tau": self.stats.mean_acceptance_length,
+                "acceptance.humaneval_engine_drafts": self.stats.num_drafts,
+                "acceptance.humaneval_engine_per_position_rate": self.stats.per_position_rate}
+
+
+def humaneval_with_engine(engine: Any, engine_kind: str, prompts: Sequence[Sequence[int]], drafter_path: Path,
+                          k: int, new_tokens: int) -> EngineHumanEval | None:
+    """The HumanEval prompts decoded by ``engine`` with the drafter, greedy, τ from the engine's counters; ``None``
+    on the reference engine, whose decoder is the replay itself."""
+    if engine_kind != "vllm":
+        return None
+    t0 = time.perf_counter()
+    res = engine.speculative_generate([list(p) for p in prompts], drafter_path, k, new_tokens)
+    if not res.stats.num_drafts:
+        raise RuntimeError("vLLM's spec-decode counters did not move over the HumanEval decode: no drafts counted")
+    return EngineHumanEval(k, len(prompts), new_tokens, res.stats, time.perf_counter() - t0)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # per target layer: all-layer states, probe, ablation
 
