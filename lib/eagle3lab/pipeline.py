@@ -426,21 +426,31 @@ def _figures(prefix: str, stage: Stage) -> dict[str, float | None]:
             f"{prefix} bytes": stage.bytes}
 
 
+def _texts(label: str, stage: Stage) -> dict[str, str]:
+    return {f"{label}: wall": _seconds_text(stage.seconds), f"{label}: tokens/s": _rate_text(stage.tokens_per_s),
+            f"{label}: bytes": _bytes_text(stage.bytes)}
+
+
 def _total(stages: list[Stage]) -> Stage:
     """The pipeline as one row: seconds summed (``None`` if any is unknown), the known bytes summed."""
     known = [s.bytes for s in stages if s.bytes is not None]
     return Stage("total", _total_seconds(stages), None, None, sum(known) if known else None)
 
 
-def pipeline_rows(ours: list[Stage], seed: SeedPipeline, projection: Projection) -> list[dict[str, Any]]:
-    """One row per stage and a total: wall seconds, tokens/s and bytes of our run, the seed, the
-    projection."""
-    columns = (("ours", ours), ("seed", seed.stages()), ("projected", projection.stages))
+def pipeline_rows(ours: list[Stage], seed: SeedPipeline, projection: Projection | None,
+                  text: bool = False) -> list[dict[str, Any]]:
+    """One row per stage and a total: wall seconds, tokens/s and bytes of our run, the seed, and the projection
+    (its columns only with one). ``text``: the page's form, under "this run: wall" and the like, seconds past an
+    hour in hours and bytes in kB to GB; otherwise the numbers, under "ours s" and the like."""
+    cell, own = (_texts, "this run") if text else (_figures, "ours")
+    columns = [(own, ours), ("seed", seed.stages())]
+    if projection is not None:
+        columns.append(("projected", projection.stages))
     rows = []
     for name in (*STAGES, "total"):
         row: dict[str, Any] = {"stage": name}
-        for prefix, stages in columns:
-            row.update(_figures(prefix, _total(stages) if name == "total" else _by_name(stages)[name]))
+        for label, stages in columns:
+            row.update(cell(label, _total(stages) if name == "total" else _by_name(stages)[name]))
         rows.append(row)
     return rows
 
@@ -509,6 +519,7 @@ class PipelineReport:
     stages: list[Stage]
     projection: Projection | None
     reason: str | None = None
+    seed: SeedPipeline = SEED
 
     def metrics(self) -> dict[str, Any]:
         """``pipeline.<stage>.*`` of this run, and the projection's totals and goal ratios when there is one."""
@@ -518,26 +529,13 @@ class PipelineReport:
         if self.projection is not None:
             out["pipeline.kimi_projection.seconds"] = self.projection.total_seconds
             out["pipeline.kimi_projection.bytes"] = self.projection.disk_bytes
-            for goal in moonshot(self.projection):
+            for goal in moonshot(self.projection, self.seed):
                 out[f"pipeline.kimi_projection.{goal.name.split()[0]}_over_seed"] = goal.ratio
         return out
 
     def rows(self) -> list[dict[str, str]]:
-        """The stage table as text: seconds (hours past one), tokens/s, bytes; the projection's columns only with
-        a projection."""
-        columns = [("this run", self.stages), ("seed", SEED.stages())]
-        if self.projection is not None:
-            columns.append(("projected", self.projection.stages))
-        rows = []
-        for name in (*STAGES, "total"):
-            row = {"stage": name}
-            for label, stages in columns:
-                st = _total(stages) if name == "total" else _by_name(stages)[name]
-                row[f"{label}: wall"] = _seconds_text(st.seconds)
-                row[f"{label}: tokens/s"] = _rate_text(st.tokens_per_s)
-                row[f"{label}: bytes"] = _bytes_text(st.bytes)
-            rows.append(row)
-        return rows
+        """The stage table as the page shows it (:func:`pipeline_rows` as text)."""
+        return pipeline_rows(self.stages, self.seed, self.projection, text=True)
 
     def goal_rows(self) -> list[dict[str, Any]]:
         """The moonshot (a quarter of the seed's wall time, a tenth of its disk), projected; empty without a
@@ -545,7 +543,7 @@ class PipelineReport:
         if self.projection is None:
             return []
         return [{"goal": g.name.split(" (")[0], "projected / seed": None if g.ratio is None else round(g.ratio, 3),
-                 "goal ratio": g.goal, "met": g.met} for g in moonshot(self.projection)]
+                 "goal ratio": g.goal, "met": g.met} for g in moonshot(self.projection, self.seed)]
 
 
 def report_for_run(metrics: dict[str, Any], params: dict[str, Any], to: TargetShape = KIMI_K25,
@@ -556,9 +554,10 @@ def report_for_run(metrics: dict[str, Any], params: dict[str, Any], to: TargetSh
     device = str(_param(params, "engine.device") or "cpu")
     if not device.startswith("cuda"):
         return PipelineReport(stages, None, f"the projection scales a GPU run's per-token costs; this run ran on "
-                                            f"{device}")
+                                            f"{device}", seed)
     try:
         shape = shape_from_metrics(metrics, params)
     except ValueError as err:  # a checkpoint target (no embedded widths) or a run cut before 03
-        return PipelineReport(stages, None, str(err))
-    return PipelineReport(stages, project(stages, shape, to, seed.samples, seed.tokens_per_sample, seed.epochs))
+        return PipelineReport(stages, None, str(err), seed)
+    return PipelineReport(stages, project(stages, shape, to, seed.samples, seed.tokens_per_sample, seed.epochs),
+                          None, seed)

@@ -21,7 +21,7 @@ import torch
 
 from eagle3lab import provenance
 from eagle3lab.aux_states.hooks import check_aux_layer_ids
-from eagle3lab.aux_states.shards import AuxSource, _sequence, storage_dtype
+from eagle3lab.aux_states.shards import AuxSource, sample_tokens, storage_dtype
 from eagle3lab.synthetic import read_samples
 
 
@@ -58,11 +58,8 @@ class OnlineAuxStates(torch.utils.data.Dataset):
         return len(self.samples)
 
     def _tokens(self, idx: int) -> dict[str, torch.Tensor]:
-        rec = self.samples[idx]
-        seq = _sequence(rec)
-        mask = torch.zeros(len(seq), dtype=torch.bool)
-        mask[len(rec["prompt_ids"]):] = True
-        return {"input_ids": torch.tensor(seq, dtype=torch.long), "loss_mask": mask}
+        ids, mask = sample_tokens(self.samples[idx])
+        return {"input_ids": ids, "loss_mask": mask}
 
     def get(self, idx: int, keys: Sequence[str] = ("input_ids", "loss_mask", "aux")) -> dict[str, torch.Tensor]:
         """Item ``idx``; without ``"aux"`` in ``keys`` no forward runs (token statistics for the draft vocabulary)."""

@@ -144,6 +144,16 @@ def _sequence(rec: dict[str, Any]) -> list[int]:
     return list(rec["prompt_ids"]) + list(rec["output_ids"])
 
 
+def sample_tokens(rec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sample's training tokens: input_ids (prompt + response, long) and its loss mask (bool, True on the
+    response: the drafter learns what the target answered, not the prompt). The shards store both, the online
+    route (:mod:`eagle3lab.aux_states.online`) makes them when asked."""
+    seq = _sequence(rec)
+    mask = torch.zeros(len(seq), dtype=torch.bool)
+    mask[len(rec["prompt_ids"]) :] = True
+    return torch.tensor(seq, dtype=torch.long), mask
+
+
 @dataclass
 class _ComputedShard:
     """A shard whose forwards have been issued; its aux states may still be on their way to the host."""
@@ -164,13 +174,10 @@ class _ComputedShard:
         for hb in self.batches:
             aux = hb.wait()
             for r in range(aux.shape[0]):
-                rec = self.samples[i]
-                seq = _sequence(rec)
-                lm = torch.zeros(len(seq), dtype=torch.uint8)
-                lm[len(rec["prompt_ids"]) :] = 1
-                tensors[f"{i}.input_ids"] = torch.tensor(seq, dtype=torch.long)
-                tensors[f"{i}.loss_mask"] = lm
-                tensors[f"{i}.aux"] = aux[r, : len(seq)].contiguous()
+                ids, mask = sample_tokens(self.samples[i])
+                tensors[f"{i}.input_ids"] = ids
+                tensors[f"{i}.loss_mask"] = mask.to(torch.uint8)  # stored as bytes, read back as bool
+                tensors[f"{i}.aux"] = aux[r, : len(ids)].contiguous()
                 i += 1
         return tensors
 
@@ -347,8 +354,7 @@ def extract_hidden_states(
     """
     if on_stale not in ("rebuild", "refuse"):
         raise ValueError(f"on_stale {on_stale!r}: expected 'rebuild' or 'refuse'")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+    out_dtype = storage_dtype(dtype)
     if shard_sequences < 1 or batch_size < 1:
         raise ValueError("shard_sequences and batch_size must be >= 1")
     source = model if isinstance(model, AuxSource) else ModelAuxSource(model, device)
@@ -395,7 +401,6 @@ def extract_hidden_states(
         # A finished shard is kept as it is: one damaged since (a failed copy, a full disk) is named here, in
         # 03, rather than by the dataset in 04.
         check_safetensors(out / rec["file"], "hidden-state shard", _SHARD_REMEDY.format(folder=out))
-    out_dtype = _DTYPES[dtype]
     bar = progress_bar(total=sum(len(s) for s in shards), initial=sum(len(s) for s in shards[:start]),
                        desc="extracting hidden states", disable=not progress)
     # The forwards of shard j+1 run while the writer thread stores shard j; on CUDA each batch's copy to
